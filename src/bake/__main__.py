@@ -1,0 +1,50 @@
+"""The command line: ``python -m bake [group=option ...] [key=value ...]`` (or ``bake ...``).
+
+    python -m bake                                   # the default bake of the embedded SmolLM2
+    python -m bake model=tiny phase_a.steps=60       # a smoke run on the tiny model
+    python -m bake -m phase_a.target_sparsity=0.1,0.2,0.3   # a sweep, one MLflow parent run
+    python -m bake --cfg job                         # print the composed config
+
+Returns the exported model's held-out perplexity to a sweeper (NaN for a failed job).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import hydra
+
+from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
+
+CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+
+
+@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
+def _hydra_main(cfg) -> float:
+    from bake.job import run_job
+
+    return run_job(cfg)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run bake with command-line ``argv`` in this process; returns the exit code."""
+    saved = sys.argv
+    sys.argv = ["bake", *(sys.argv[1:] if argv is None else argv)]
+    try:
+        _hydra_main()
+    except SystemExit as exc:
+        code = exc.code
+        return code if isinstance(code, int) else (0 if code is None else 1)
+    finally:
+        sys.argv = saved
+    return 0
+
+
+def entry() -> None:
+    """Console-script entry point."""
+    sys.exit(main())
+
+
+if __name__ == "__main__":
+    entry()

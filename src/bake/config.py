@@ -1,0 +1,182 @@
+"""Typed schemas of bake's config groups, registered in Hydra's ConfigStore.
+
+Each group's YAML under ``conf/`` lists its schema first in its defaults, so an unknown key or a
+value of the wrong type fails when Hydra composes the config. Range and cross-field checks live
+in :mod:`bake.validate`. This module imports nothing heavy: a config error must be reported in
+about a second.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from enum import Enum
+from typing import Any
+
+from hydra.core.config_store import ConfigStore
+from omegaconf import MISSING, OmegaConf
+
+
+class ModelKind(str, Enum):
+    gguf = "gguf"  # a GGUF file (a path, or a file shipped inside a Python package)
+    hf = "hf"  # a Hugging Face directory or hub id of a Llama-style decoder
+    nanbeige = "nanbeige"  # a looped Nanbeige4.2 checkpoint (config.json + safetensors)
+    tiny = "tiny"  # a small random-init Llama built in code, with a byte-level tokenizer
+
+
+class CorpusSource(str, Enum):
+    python_stdlib = "python_stdlib"
+    text_files = "text_files"
+    jsonl = "jsonl"
+
+
+class Gate(str, Enum):
+    sigmoid = "sigmoid"  # the reference: sigma(m) multiplies the FFN activations
+    straight_through = "straight_through"  # hard 0/1 forward, sigmoid gradient
+
+
+class MaskInit(str, Enum):
+    constant = "constant"  # every logit starts at the loop-solved init logit
+    wanda = "wanda"  # init logit + per-layer z-score of log(Wanda-sp score)
+
+
+class Precision(str, Enum):
+    auto = "auto"  # bf16 autocast on CUDA, fp32 elsewhere
+    fp32 = "fp32"
+    bf16 = "bf16"
+
+
+@dataclass
+class TinyConf:
+    layers: int = 4
+    hidden_size: int = 64
+    intermediate_size: int = 160
+    heads: int = 4
+    kv_heads: int = 2
+    max_positions: int = 512
+    init_seed: int = 0
+
+
+@dataclass
+class ModelConf:
+    kind: ModelKind = MISSING
+    name: str = MISSING
+    name_or_path: str | None = None
+    path: str | None = None
+    package: str | None = None
+    gguf_file: str | None = None
+    loops: int | None = None
+    loop_norm: bool | None = None
+    tiny: TinyConf | None = None
+
+
+@dataclass
+class CorpusConf:
+    name: str = MISSING
+    source: CorpusSource = MISSING
+    glob: str | None = None
+    path: str | None = None
+    field: str = "text"
+    chunk_len: int = 256
+    held_chunks: int = 12
+    calib_chunks: int = 240
+    chunks_per_doc: int = 1
+
+
+@dataclass
+class PhaseAConf:
+    steps: int = 240
+    l1_init: float = 0.01
+    l1_step: float = 0.005
+    l1_mult: float = 1.0
+    lr: float = 0.1
+    eval_every: int = 30
+    tau: float = 0.5
+    target_sparsity: float = 0.0
+    gate: Gate = Gate.sigmoid
+    init: MaskInit = MaskInit.constant
+    init_logit: float = 2.0
+    eval_precision: Precision = Precision.auto
+
+
+@dataclass
+class PhaseBConf:
+    enabled: bool = True
+    steps: int = 120
+    lr: float = 1e-5
+    layers: int = 4
+    eval_every: int = 30
+
+
+@dataclass
+class ExportConf:
+    align: int = 32
+    uniform_inter: bool = False
+
+
+@dataclass
+class TrackingConf:
+    enabled: bool = True
+    uri: str = MISSING
+    experiment: str = "bake"
+    artifact_location: str | None = None
+    plots: bool = True
+
+
+@dataclass
+class TrainerConf:
+    accelerator: str = "auto"
+    devices: int = 1
+    num_nodes: int = 1
+    strategy: str = "auto"
+    progress_bar: bool = True
+    eval_batch_size: int = 12
+    callbacks: list[Any] = field(default_factory=list)
+
+
+@dataclass
+class PathsConf:
+    outputs: str = MISSING
+    cache: str = MISSING
+
+
+@dataclass
+class BakeConf:
+    model: ModelConf = MISSING
+    corpus: CorpusConf = MISSING
+    phase_a: PhaseAConf = MISSING
+    phase_b: PhaseBConf = MISSING
+    export: ExportConf = MISSING
+    tracking: TrackingConf = MISSING
+    trainer: TrainerConf = MISSING
+    paths: PathsConf = field(default_factory=PathsConf)
+    seed: int = 0
+    resume: str | None = None
+
+
+_GROUPS = {
+    "model": ModelConf,
+    "corpus": CorpusConf,
+    "phase_a": PhaseAConf,
+    "phase_b": PhaseBConf,
+    "export": ExportConf,
+    "tracking": TrackingConf,
+    "trainer": TrainerConf,
+}
+
+
+def _run_dir(resume: str | None, default: str) -> str:
+    """``hydra.run.dir``: a resumed bake continues in its own directory."""
+    return resume if resume else default
+
+
+def register() -> None:
+    """Register the schemas and bake's resolvers (idempotent)."""
+    cs = ConfigStore.instance()
+    cs.store(name="bake_schema", node=BakeConf)
+    for group, node in _GROUPS.items():
+        cs.store(group=group, name=f"{group}_schema", node=node)
+    if not OmegaConf.has_resolver("bake_run_dir"):
+        OmegaConf.register_new_resolver("bake_run_dir", _run_dir)
+
+
+register()

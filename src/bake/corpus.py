@@ -1,0 +1,292 @@
+"""The task corpus: documents, a document-disjoint held-out/calibration split, token chunks.
+
+Documents are read in sorted order and shuffled with the seed. The held-out set is filled
+first, then the calibration set, from DISJOINT documents, and no document gives more than
+``chunks_per_doc`` chunks: the held-out score then measures the task, not the calibration
+files. A long document gives its chunks from seeded, non-overlapping windows (of a seeded
+region, for very long ones); short documents are packed with EOS between them into one chunk
+(the rest of the last one is dropped, so that it counts once). Only as many documents as the
+run needs are tokenised, and the result is cached.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import random
+import sysconfig
+from collections import Counter
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from bake.config import CorpusSource
+from bake.errors import BakeError
+from bake.fsutil import atomic_write
+from bake.validate import MIN_CALIB_CHUNKS
+
+log = logging.getLogger("bake.corpus")
+
+_BATCH = 32  # documents tokenised per call (the tokenizer runs them in parallel)
+_SPAN_CHARS_PER_TOKEN = 16  # a long document is tokenised over a random region of
+# chunk_len * chunks_per_doc * this many characters (room for many windows at any tokenizer)
+
+
+@dataclass
+class Corpus:
+    """Token chunks of the held-out and calibration sets, from disjoint documents."""
+
+    held: object  # torch.LongTensor [n_held, chunk_len]
+    calib: object  # torch.LongTensor [n_calib, chunk_len]
+    key: str = ""  # identity of the chunks: settings, sources, tokenizer
+    held_docs: list[str] = field(default_factory=list)
+    calib_docs: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)
+    cached: bool = False
+
+
+@dataclass
+class _Doc:
+    ident: str
+    path: Path | None = None
+    text: str | None = None
+
+
+def stdlib_dir() -> Path:
+    """The running interpreter's standard library."""
+    return Path(sysconfig.get_paths()["stdlib"])
+
+
+def _stdlib_docs() -> list[_Doc]:
+    import os
+
+    root = stdlib_dir()
+    paths = []
+    for folder, dirs, files in os.walk(root):
+        dirs[:] = [d for d in dirs if d not in ("site-packages", "dist-packages", "__pycache__")]
+        paths += [Path(folder) / f for f in files if f.endswith(".py")]
+    return [_Doc(str(p.relative_to(root)), path=p) for p in sorted(paths)]
+
+
+def _glob_docs(pattern: str) -> list[_Doc]:
+    import glob
+
+    paths = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
+    return [_Doc(str(p), path=p) for p in paths if p.is_file()]
+
+
+def _jsonl_docs(path: str, key: str, skipped: Counter) -> list[_Doc]:
+    docs = []
+    with open(Path(path).expanduser(), "rb") as fh:
+        for i, raw in enumerate(fh, 1):
+            try:
+                row = json.loads(raw)
+            except (json.JSONDecodeError, UnicodeDecodeError):
+                skipped["not valid JSON"] += 1
+                continue
+            text = row.get(key) if isinstance(row, dict) else None
+            if not isinstance(text, str):
+                skipped[f"no string field '{key}'"] += 1
+                continue
+            docs.append(_Doc(f"{Path(path).name}:{i}", text=text))
+    return docs
+
+
+def list_documents(ccfg, skipped: Counter) -> list[_Doc]:
+    """Every candidate document of the corpus, in sorted order."""
+    source = CorpusSource(ccfg.source)
+    if source == CorpusSource.python_stdlib:
+        docs = _stdlib_docs()
+        where = f"the standard library at {stdlib_dir()}"
+    elif source == CorpusSource.text_files:
+        docs = _glob_docs(ccfg.glob)
+        where = f"corpus.glob={ccfg.glob}"
+    else:
+        docs = _jsonl_docs(ccfg.path, ccfg.field, skipped)
+        where = f"corpus.path={ccfg.path}"
+    if not docs:
+        raise BakeError(f"{where}: no documents found; point it at your task text")
+    return docs
+
+
+def _read(doc: _Doc, skipped: Counter) -> str | None:
+    """The document's text, or None (counted in ``skipped``) when it is not usable text."""
+    if doc.text is not None:
+        text = doc.text
+    else:
+        try:
+            data = doc.path.read_bytes()
+        except OSError:
+            skipped["unreadable"] += 1
+            return None
+        if b"\x00" in data[:8192]:
+            skipped["binary"] += 1
+            return None
+        try:
+            text = data.decode("utf-8")
+        except UnicodeDecodeError:
+            skipped["not UTF-8"] += 1
+            return None
+    if not text.strip():
+        skipped["empty"] += 1
+        return None
+    return text
+
+
+def _encode(tokenizer, texts: list[str]) -> list[list[int]]:
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is not None:  # fast path, no length warnings, parallel over the batch
+        return [e.ids for e in backend.encode_batch(texts, add_special_tokens=False)]
+    return [tokenizer.encode(t, add_special_tokens=False) for t in texts]
+
+
+def _region(text: str, span: int, rng: random.Random) -> tuple[str, bool]:
+    """A random region of at most ``span`` characters starting at a line, and whether it
+    reaches the document's end. Tokenising a whole book for one chunk would be wasted work."""
+    if len(text) <= span:
+        return text, True
+    start = rng.randrange(len(text) - span + 1)
+    if start:
+        nl = text.find("\n", start, start + span // 4)
+        start = nl + 1 if nl >= 0 else start
+    return text[start : start + span], start + span >= len(text)
+
+
+def _tokenised(
+    docs: list[_Doc], tokenizer, skipped: Counter, span: int, rng: random.Random
+) -> Iterator[tuple[int, _Doc, list[int], bool]]:
+    """Yield (position, document, token ids, reaches the end) in order, in small batches."""
+    for start in range(0, len(docs), _BATCH):
+        batch = []
+        for i, d in enumerate(docs[start : start + _BATCH]):
+            text = _read(d, skipped)
+            if text is not None:
+                batch.append((start + i, d, *_region(text, span, rng)))
+        if batch:
+            ids = _encode(tokenizer, [text for _, _, text, _ in batch])
+            yield from ((i, d, t, end) for (i, d, _, end), t in zip(batch, ids, strict=True))
+
+
+class _Split:
+    """Chunks of one split: windows of long documents, short documents packed together."""
+
+    def __init__(self, want: int, chunk_len: int, per_doc: int, eos: int, rng: random.Random):
+        self.want, self.chunk_len, self.per_doc, self.eos, self.rng = (
+            want, chunk_len, per_doc, eos, rng,
+        )  # fmt: skip
+        self.chunks: list[list[int]] = []
+        self.docs: list[str] = []
+        self._pack: list[int] = []
+        self._pack_docs: list[str] = []
+
+    @property
+    def full(self) -> bool:
+        return len(self.chunks) >= self.want
+
+    def add(self, ident: str, ids: list[int], complete: bool = True) -> None:
+        if complete:
+            ids = ids + [self.eos]  # EOS closes every document
+        n = self.chunk_len
+        if len(ids) >= n:
+            windows = len(ids) // n
+            take = min(self.per_doc, windows, self.want - len(self.chunks))
+            for w in sorted(self.rng.sample(range(windows), take)):
+                self.chunks.append(ids[w * n : (w + 1) * n])
+            self.docs.append(ident)
+            return
+        self._pack += ids
+        self._pack_docs.append(ident)
+        if len(self._pack) >= n:
+            self.chunks.append(self._pack[:n])
+            self.docs += self._pack_docs
+            self._pack, self._pack_docs = [], []
+
+
+def _split(ccfg, docs: list[_Doc], tokenizer, seed: int, skipped: Counter):
+    eos = tokenizer.eos_token_id
+    if eos is None:
+        raise BakeError("the model's tokenizer has no EOS token; bake separates documents by it")
+    order = list(docs)
+    random.Random(seed).shuffle(order)
+    args = (ccfg.chunk_len, ccfg.chunks_per_doc, eos, random.Random(seed + 1))
+    held, calib = _Split(ccfg.held_chunks, *args), _Split(ccfg.calib_chunks, *args)
+    span = ccfg.chunk_len * ccfg.chunks_per_doc * _SPAN_CHARS_PER_TOKEN
+    seen = len(order)
+    for i, doc, ids, complete in _tokenised(order, tokenizer, skipped, span, random.Random(seed + 2)):
+        (calib if held.full else held).add(doc.ident, ids, complete)
+        if calib.full:
+            seen = i + 1
+            break
+    return held, calib, seen
+
+
+_VERSION = 2  # of the splitting rules: a change invalidates cached corpora
+
+
+def _cache_key(ccfg, docs: list[_Doc], tokenizer_key: str, seed: int) -> str:
+    h = hashlib.sha256(f"corpus-v{_VERSION}".encode())
+    settings = {k: ccfg[k] for k in ("source", "glob", "path", "field", "chunk_len")}
+    settings |= {k: ccfg[k] for k in ("held_chunks", "calib_chunks", "chunks_per_doc")}
+    h.update(json.dumps({**{k: str(v) for k, v in settings.items()}, "seed": seed}).encode())
+    h.update(tokenizer_key.encode())
+    for d in docs:
+        if d.path is not None:
+            st = d.path.stat()
+            h.update(f"{d.ident}\0{st.st_size}\0{st.st_mtime_ns}\n".encode())
+    if ccfg.source == CorpusSource.jsonl:
+        st = Path(ccfg.path).expanduser().stat()
+        h.update(f"{st.st_size}\0{st.st_mtime_ns}".encode())
+    return h.hexdigest()[:20]
+
+
+def _check(ccfg, held: _Split, calib: _Split, skipped: Counter, seen: int) -> None:
+    found = f"{seen - sum(skipped.values())} usable of {seen} documents read"
+    if skipped:
+        found += " (skipped: " + ", ".join(f"{n} {why}" for why, n in skipped.items()) + ")"
+    if len(calib.chunks) < MIN_CALIB_CHUNKS:
+        raise BakeError(
+            f"corpus: only {len(calib.chunks)} calibration chunks of {ccfg.chunk_len} tokens "
+            f"after {len(held.chunks)} held-out chunks, from {found}; bake needs at least "
+            f"{MIN_CALIB_CHUNKS}: add documents, lower corpus.chunk_len, lower "
+            f"corpus.held_chunks or raise corpus.chunks_per_doc"
+        )
+    if skipped:
+        log.warning("corpus: %s", found)
+    if len(calib.chunks) < ccfg.calib_chunks:
+        log.warning(
+            "corpus: %d calibration chunks instead of corpus.calib_chunks=%d (%s); steps "
+            "beyond them reuse chunks (chunk = step %% %d)",
+            len(calib.chunks), ccfg.calib_chunks, found, len(calib.chunks),
+        )  # fmt: skip
+
+
+def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path) -> Corpus:
+    """Build (or read from the cache) the held-out and calibration chunks."""
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    skipped: Counter = Counter()
+    docs = list_documents(ccfg, skipped)
+    key = _cache_key(ccfg, docs, tokenizer_key, seed)
+    path = Path(cache_dir) / "corpus" / f"{ccfg.name}-{key}.safetensors"
+    info_path = path.with_suffix(".json")
+    if path.is_file() and info_path.is_file():
+        tensors, info = load_file(path), json.loads(info_path.read_text())
+        log.info("corpus: cached chunks from %s", path)
+        return Corpus(tensors["held"], tensors["calib"], key, info["held_docs"],
+                      info["calib_docs"], info["skipped"], cached=True)  # fmt: skip
+    held, calib, seen = _split(ccfg, docs, tokenizer, seed, skipped)
+    _check(ccfg, held, calib, skipped, seen)
+    corpus = Corpus(
+        torch.tensor(held.chunks, dtype=torch.long),
+        torch.tensor(calib.chunks, dtype=torch.long),
+        key, held.docs, calib.docs, dict(skipped),
+    )  # fmt: skip
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with atomic_write(path) as tmp:
+        save_file({"held": corpus.held, "calib": corpus.calib}, str(tmp))
+    info = {"held_docs": held.docs, "calib_docs": calib.docs, "skipped": dict(skipped)}
+    with atomic_write(info_path) as tmp:
+        tmp.write_text(json.dumps(info))
+    return corpus

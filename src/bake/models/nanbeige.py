@@ -1,0 +1,112 @@
+"""Nanbeige4.2 (a looped transformer) as a Llama-compatible stack, without its Hub code.
+
+Its config.json (architectures NanbeigeForCausalLM, model_type nanbeige) describes a Llama
+decoder with an explicit head_dim and an untied head, run ``num_loops`` times with shared
+weights; its safetensors keys are Llama's. bake builds a LlamaForCausalLM of that shape, loads
+the weights and runs the loop in :class:`bake.stack.Stack`. The Hub modeling code needs
+trust_remote_code and is broken under transformers 5 (its RoPE buffer ends up all zeros), so it
+is never imported.
+
+The full-size path is verified only against a small synthetic checkpoint in the same format.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from bake.errors import BakeError
+
+# Options of the Nanbeige config class that bake's Llama-compatible stack does not implement.
+_UNSUPPORTED = (
+    "qk_layernorm", "use_ngram", "hyper_connections", "use_mhc", "loop_split",
+    "loop_share_kv", "depth_attention",
+)  # fmt: skip
+
+
+def num_loops(cfg: dict) -> int:
+    """The loop depth the checkpoint states (Nanbeige: loop_loss_weights wins when set)."""
+    weights = cfg.get("loop_loss_weights") or []
+    return len(weights) + 1 if weights else int(cfg.get("num_loops") or 1)
+
+
+def llama_config(cfg: dict):
+    """A LlamaConfig with the shape of a Nanbeige config.json."""
+    from transformers import LlamaConfig
+
+    enabled = [k for k in _UNSUPPORTED if cfg.get(k)]
+    if enabled:
+        raise BakeError(
+            f"Nanbeige config.json enables {', '.join(enabled)}, which bake's Llama-compatible "
+            f"stack does not implement"
+        )
+    rope = {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
+    if cfg.get("rope_scaling"):
+        rope = {**cfg["rope_scaling"], "rope_theta": rope["rope_theta"]}
+        rope.setdefault("rope_type", rope.pop("type", "default"))
+    heads = int(cfg["num_attention_heads"])
+    return LlamaConfig(
+        vocab_size=int(cfg["vocab_size"]),
+        hidden_size=int(cfg["hidden_size"]),
+        intermediate_size=int(cfg["intermediate_size"]),
+        num_hidden_layers=int(cfg["num_hidden_layers"]),
+        num_attention_heads=heads,
+        num_key_value_heads=int(cfg.get("num_key_value_heads", heads)),
+        head_dim=int(cfg.get("head_dim") or cfg.get("kv_channels") or cfg["hidden_size"] // heads),
+        max_position_embeddings=int(cfg.get("max_position_embeddings", 4096)),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-5)),
+        rope_parameters=rope,
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        attention_bias=bool(cfg.get("attention_bias", False)),
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        hidden_act=cfg.get("hidden_act", "silu"),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_id=cfg.get("eos_token_id"),
+        pad_token_id=cfg.get("pad_token_id"),
+        attn_implementation="sdpa",
+        num_loops=num_loops(cfg),
+        skip_loop_final_norm=bool(cfg.get("skip_loop_final_norm", False)),
+    )
+
+
+def _shards(directory: Path) -> list[Path]:
+    index = directory / "model.safetensors.index.json"
+    if index.is_file():
+        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [directory / n for n in names]
+    single = directory / "model.safetensors"
+    if single.is_file():
+        return [single]
+    raise BakeError(f"{directory}: no model.safetensors(.index.json); bake reads only safetensors")
+
+
+def load_nanbeige(directory: Path, cfg: dict):
+    """Build the Llama-compatible model from a Nanbeige directory; returns (model, tokenizer)."""
+    import torch
+    from safetensors.torch import load_file
+    from transformers import AutoTokenizer, LlamaForCausalLM
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    config = llama_config(cfg)
+    with torch.device("meta"):
+        lm = LlamaForCausalLM(config)
+    expected = set(lm.state_dict())
+    seen: set[str] = set()
+    for shard in _shards(directory):
+        tensors = {k: v.float() for k, v in load_file(shard).items()}
+        unknown = sorted(set(tensors) - expected)
+        if unknown:
+            raise BakeError(
+                f"{shard.name}: weights bake's Llama-compatible stack has no place for "
+                f"({', '.join(unknown[:5])}{' ...' if len(unknown) > 5 else ''})"
+            )
+        lm.load_state_dict(tensors, strict=False, assign=True)
+        seen |= set(tensors)
+    missing = expected - seen - ({"lm_head.weight"} if config.tie_word_embeddings else set())
+    if missing:
+        raise BakeError(f"{directory}: weights missing from the checkpoint: {sorted(missing)[:5]}")
+    if config.tie_word_embeddings:
+        lm.lm_head.weight = lm.model.embed_tokens.weight
+    lm.model.rotary_emb = LlamaRotaryEmbedding(config)  # non-persistent buffers: build them
+    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    return lm, tokenizer

@@ -1,0 +1,200 @@
+"""What both phases share: step-indexed data, the held-out evaluation, the Trainer they run in,
+and turning Lightning's shutdown on Ctrl-C back into an interrupt bake can mark.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+from torch.utils.data import DataLoader, Dataset
+
+log = logging.getLogger("bake.phases")
+
+
+class StepIndices(Dataset):
+    """``steps`` placeholder items: a phase takes its chunk from the GLOBAL STEP, not from the
+    loader's position, so a resumed run sees the same chunks (Lightning restarts a loader from
+    its first item when it resumes mid-epoch)."""
+
+    def __init__(self, steps: int):
+        self.steps = steps
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def __getitem__(self, i: int) -> int:
+        return i
+
+
+def step_loader(steps: int) -> DataLoader:
+    return DataLoader(StepIndices(steps), batch_size=None, shuffle=False)
+
+
+def held_loader(held: Tensor, batch_size: int) -> DataLoader:
+    """Held-out chunks in batches; each rank scores all of them (same number everywhere)."""
+    return DataLoader(list(torch.split(held, batch_size)), batch_size=None, shuffle=False)
+
+
+def calib_chunk(calib: Tensor, step: int, rank: int, world: int) -> Tensor:
+    """The calibration chunk of (step, rank): chunk (step * world + rank) % n, as [1, seq].
+
+    One process trains on chunk ``step % n``; under DDP each rank takes its own, so one step
+    covers ``world`` chunks and their gradients are averaged.
+    """
+    i = (step * world + rank) % calib.shape[0]
+    return calib[i : i + 1]
+
+
+class StepTimer:
+    """Mean seconds per step of forward+backward and of the optimiser update."""
+
+    def __init__(self) -> None:
+        self.fwd_bwd = 0.0
+        self.opt = 0.0
+        self.steps = 0
+        self._t0 = self._t1 = 0.0
+
+    def start(self) -> None:
+        self._t0 = time.perf_counter()
+
+    def backward_done(self) -> None:
+        self._t1 = time.perf_counter()
+
+    def step_done(self) -> None:
+        now = time.perf_counter()
+        self.fwd_bwd += self._t1 - self._t0
+        self.opt += now - self._t1
+        self.steps += 1
+
+    def means(self) -> tuple[float, float]:
+        n = max(self.steps, 1)
+        return self.fwd_bwd / n, self.opt / n
+
+    def state(self) -> dict:
+        return {"fwd_bwd": self.fwd_bwd, "opt": self.opt, "steps": self.steps}
+
+    def load(self, state: dict) -> None:
+        self.fwd_bwd, self.opt, self.steps = state["fwd_bwd"], state["opt"], state["steps"]
+
+
+@dataclass
+class Identity:
+    """What a checkpoint must match to be resumed: the model and the settings that shaped it."""
+
+    model_key: str
+    config_hash: str
+
+    def check(self, stored: dict | None, what: str) -> None:
+        from bake.errors import BakeError
+
+        if stored is None:
+            raise BakeError(f"{what}: not a bake checkpoint (no identity stored)")
+        for field in ("model_key", "config_hash"):
+            mine, theirs = getattr(self, field), stored.get(field)
+            if mine != theirs:
+                raise BakeError(
+                    f"{what}: written for {field} {theirs}, this run has {mine}; resume a "
+                    f"run only with the overrides it was started with"
+                )
+
+
+def quiet_lightning() -> None:
+    """Keep Lightning's start-up chatter (accelerator lines, tips) out of the bake's log."""
+    import warnings
+
+    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
+                 "lightning.pytorch.accelerators.cuda"):  # fmt: skip
+        logging.getLogger(name).setLevel(logging.WARNING)
+    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
+    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+
+
+def make_trainer(tcfg, phase_dir: Path, steps: int, eval_every: int, monitor: str,
+                 extra_callbacks: list | None = None):  # fmt: skip
+    """A Trainer for one phase: max ``steps``, held-out evaluation every ``eval_every`` steps,
+    ``best.ckpt`` on the lowest ``monitor`` (strictly lower replaces) and ``last.ckpt`` at
+    every evaluation, for resume. No sanity-check evaluation, no Lightning logger: bake logs
+    to MLflow itself, against the global step."""
+    import lightning as L
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
+    from omegaconf import OmegaConf
+
+    from hydra.utils import instantiate
+
+    quiet_lightning()
+    evaluates = steps >= eval_every
+    callbacks = [
+        ModelCheckpoint(
+            dirpath=phase_dir, filename="best", monitor=monitor, mode="min", save_top_k=1,
+            save_last=False, auto_insert_metric_name=False, enable_version_counter=False,
+        ),
+        ModelCheckpoint(
+            dirpath=phase_dir, monitor=None, save_top_k=0, save_last=True,
+            save_on_train_epoch_end=False, enable_version_counter=False,
+        ),
+    ]  # fmt: skip
+    if tcfg.progress_bar:
+        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    for spec in tcfg.callbacks:
+        callbacks.append(instantiate(OmegaConf.create(spec) if isinstance(spec, dict) else spec))
+    callbacks += extra_callbacks or []
+    return L.Trainer(
+        accelerator=tcfg.accelerator,
+        devices=tcfg.devices,
+        num_nodes=tcfg.num_nodes,
+        strategy=tcfg.strategy,
+        max_steps=steps,
+        max_epochs=1,
+        val_check_interval=eval_every if evaluates else None,
+        check_val_every_n_epoch=None,
+        limit_val_batches=None if evaluates else 0,
+        num_sanity_val_steps=0,
+        logger=False,
+        callbacks=callbacks,
+        enable_progress_bar=tcfg.progress_bar,
+        enable_model_summary=False,
+        precision="32-true",
+        default_root_dir=str(phase_dir),
+        use_distributed_sampler=False,
+    )
+
+
+def fit(trainer, module, ckpt: Path | None) -> None:
+    """``trainer.fit`` that re-raises Ctrl-C as KeyboardInterrupt (Lightning turns it into
+    SystemExit(1) after a graceful shutdown) and lets every other error through."""
+    try:
+        trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
+    except SystemExit:
+        if trainer.interrupted:
+            raise KeyboardInterrupt from None
+        raise
+
+
+def resume_point(phase_dir: Path) -> Path | None:
+    """``last.ckpt`` of an interrupted phase, if any."""
+    last = phase_dir / "last.ckpt"
+    return last if last.is_file() else None
+
+
+def best_state(phase_dir: Path) -> dict | None:
+    """The state dict of ``best.ckpt`` (loaded with weights_only=True), if any."""
+    best = phase_dir / "best.ckpt"
+    if not best.is_file():
+        return None
+    return torch.load(best, map_location="cpu", weights_only=True)["state_dict"]
+
+
+def rank_zero() -> bool:
+    """True in the process that owns files and tracking (always, without DDP)."""
+    import os
+
+    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
+
+
+OnEvaluation = Callable[[dict], None]

@@ -1,0 +1,172 @@
+"""Phase B: repair the FFN of the last N physical layers with Phase A's hard mask active.
+
+Trainable state: copies of gate/up/down of those layers. Plain Adam (no weight decay, so the
+weights behind dropped neurons stay put), global-norm clip 1.0 over all trained tensors,
+cosine learning rate lr * 0.5 * (1 + cos(pi * s / steps)), divided by ``loops`` on a looped
+model (each physical FFN is visited ``loops`` times per token). Step ``s`` trains on
+calibration chunk ``s % n_calib``; attention carries no gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import lightning as L
+import torch
+from torch import Tensor, nn
+
+from bake import masks
+from bake.errors import BakeError, TrainingDiverged
+from bake.phases.common import (
+    Identity, OnEvaluation, StepTimer, calib_chunk, held_loader, step_loader,
+)  # fmt: skip
+from bake.stack import Stack, autocast_for, perplexity
+
+log = logging.getLogger("bake.phase_b")
+
+
+@dataclass
+class PhaseBSettings:
+    steps: int
+    lr: float
+    layers: int
+    eval_every: int
+    eval_precision: str = "fp32"
+    eval_batch_size: int = 12
+
+
+def trained_layers(num_layers: int, n: int) -> list[int]:
+    """The last ``n`` physical layers."""
+    return list(range(num_layers - n, num_layers))
+
+
+def lr_at(step: int, settings: PhaseBSettings, loops: int) -> float:
+    """The learning rate of the update at ``step``: cosine, divided by the loop depth."""
+    return settings.lr * masks.cosine_scale(step, settings.steps) / max(1, loops)
+
+
+class PhaseB(L.LightningModule):
+    """FFN repair of the last layers; the backbone stays frozen and shared."""
+
+    def __init__(
+        self,
+        stack: Stack,
+        calib: Tensor,
+        held: Tensor,
+        settings: PhaseBSettings,
+        gates: Tensor,
+        identity: Identity,
+        on_evaluation: OnEvaluation | None = None,
+    ):
+        super().__init__()
+        self.stack = stack  # plain object: not a submodule
+        self.calib, self.held, self.s, self.identity = calib, held, settings, identity
+        self.gates = gates.detach().float()  # binary, no gradient
+        self.layer_ids = trained_layers(stack.num_layers, settings.layers)
+        self.ffn = nn.ParameterList()
+        for li in self.layer_ids:
+            for w in stack.ffn_weights(li):
+                self.ffn.append(nn.Parameter(w.detach().clone()))
+        self.evaluations: list[dict] = []
+        self.timer = StepTimer()
+        self.on_evaluation = on_evaluation
+        self._nll, self._count = 0.0, 0
+
+    def overrides(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """Physical layer -> (gate, up, down) of the trained copies."""
+        p = list(self.ffn)
+        return {li: tuple(p[3 * i : 3 * i + 3]) for i, li in enumerate(self.layer_ids)}
+
+    def on_fit_start(self) -> None:
+        self.stack.lm.to(self.device)
+        self.gates = self.gates.to(self.device)
+
+    def configure_optimizers(self):
+        opt = torch.optim.Adam(
+            self.ffn.parameters(), lr=self.s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        )
+        loops = self.stack.loops
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, lambda s: masks.cosine_scale(s, self.s.steps) / max(1, loops)
+        )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+    def train_dataloader(self):
+        return step_loader(self.s.steps)
+
+    def model_step(self, ids: Tensor) -> Tensor:
+        return self.stack.loss(ids, self.gates, self.overrides())
+
+    def training_step(self, batch, batch_idx):
+        step = self.global_step
+        world = self.trainer.world_size if self._trainer is not None else 1
+        loss = self.model_step(calib_chunk(self.calib, step, self.global_rank, world).to(self.device))
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(
+                f"phase B: the loss became {float(loss)} at step {step}; the checkpoints so far "
+                f"stay: fix the cause (a lower phase_b.lr, for example) and continue with "
+                f"resume=<run dir>"
+            )
+        self.log("ce", loss.detach(), prog_bar=True, logger=False)
+        return loss
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
+                                    gradient_clip_algorithm=None) -> None:  # fmt: skip
+        masks.clip_global_norm(list(self.ffn), 1.0)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.timer.start()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.timer.backward_done()
+
+    def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
+        self.timer.step_done()
+
+    def val_dataloader(self):
+        return held_loader(self.held, self.s.eval_batch_size)
+
+    def on_validation_epoch_start(self) -> None:
+        self._nll, self._count = 0.0, 0
+
+    def validation_step(self, batch, batch_idx) -> None:
+        with autocast_for(self.device, self.s.eval_precision):
+            nll, n = self.stack.nll(batch.to(self.device), self.gates, self.overrides())
+        self._nll += float(nll)
+        self._count += n
+
+    def on_validation_epoch_end(self) -> None:
+        ppl = perplexity(self._nll, self._count)
+        best = min([e["held_ppl"] for e in self.evaluations] + [ppl])
+        lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self._trainer else self.s.lr
+        ev = {"step": self.global_step, "held_ppl": ppl, "lr": lr}
+        self.evaluations.append(ev)
+        self.log("phase_b/held_ppl", ppl, logger=False)
+        self.log("held_ppl", ppl, prog_bar=True, logger=False)
+        fb, opt = self.timer.means()
+        log.info(
+            "[B] step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, adam %.4fs per step]",
+            ev["step"], ppl, best, fb, opt,
+        )  # fmt: skip
+        if self.on_evaluation is not None and self.trainer.is_global_zero:
+            self.on_evaluation({**ev, "sec_fwd_bwd": fb, "sec_opt": opt})
+
+    def on_save_checkpoint(self, checkpoint: dict) -> None:
+        checkpoint["bake"] = {
+            "identity": dict(self.identity.__dict__),
+            "layers": list(self.layer_ids),
+            "evaluations": list(self.evaluations),
+            "timer": self.timer.state(),
+        }
+
+    def on_load_checkpoint(self, checkpoint: dict) -> None:
+        state = checkpoint.get("bake")
+        self.identity.check(state and state.get("identity"), "resume (phase B checkpoint)")
+        if state["layers"] != self.layer_ids:
+            raise BakeError(
+                f"resume (phase B checkpoint): trained layers {state['layers']}, this run "
+                f"trains {self.layer_ids}"
+            )
+        self.evaluations = list(state["evaluations"])
+        self.timer.load(state["timer"])

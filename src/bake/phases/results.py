@@ -1,0 +1,112 @@
+"""Phase A's result: every evaluation with its mask, and the selection made from them.
+
+Phase A's training does not depend on ``target_sparsity`` (only the selection does), so the
+result is cached under a key of the model, the corpus and the other phase_a settings, and a
+sweep over the target, Phase B or export settings trains Phase A once.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from bake import masks
+from bake.fsutil import atomic_write
+
+
+@dataclass
+class Selection:
+    """The mask a bake goes on with, and why."""
+
+    logits: Tensor
+    index: int | None  # the chosen evaluation; None when no evaluation was made
+    evaluation: dict | None
+    fell_back: bool
+    note: str
+
+    @property
+    def sparsity(self) -> float:
+        return self.evaluation["sparsity"] if self.evaluation else float("nan")
+
+
+@dataclass
+class PhaseAResult:
+    evaluations: list[dict]  # step, l1, sparsity, held_ppl, closed (+ timings)
+    eval_logits: Tensor | None  # [evaluations, virtual layers, inter]
+    final_logits: Tensor
+    seconds: float
+    sec_fwd_bwd: float
+    sec_opt: float
+    cached: bool = False
+
+    def select(self, target: float, tau: float) -> Selection:
+        """The reference's rule: lowest held-PPL among evaluations at least ``target`` sparse,
+        else the first sparsest; the final mask when no evaluation was made."""
+        pairs = [(e["held_ppl"], e["sparsity"]) for e in self.evaluations]
+        i = masks.select(pairs, target)
+        if i is None:
+            sp = masks.sparsity(masks.alive(self.final_logits, tau))
+            note = (
+                f"no evaluation was made (phase_a.steps < phase_a.eval_every); using the final "
+                f"mask ({100 * sp:.2f}% pruned)"
+            )
+            return Selection(self.final_logits, None, None, False, note)
+        ev = self.evaluations[i]
+        fb = masks.fell_back(ev["held_ppl"], ev["sparsity"], target)
+        if fb:
+            note = (
+                f"target sparsity {100 * target:.1f}% not reached; fell back to the sparsest "
+                f"evaluation: step {ev['step']} ({100 * ev['sparsity']:.2f}% pruned, held-PPL "
+                f"{ev['held_ppl']:.3f})"
+            )
+        else:
+            note = (
+                f"selected step {ev['step']}: {100 * ev['sparsity']:.2f}% pruned, held-PPL "
+                f"{ev['held_ppl']:.3f}"
+                + (f" (target {100 * target:.1f}%)" if target > 0 else "")
+            )
+        return Selection(self.eval_logits[i].clone(), i, ev, fb, note)
+
+    def save(self, path: Path) -> None:
+        from safetensors.torch import save_file
+
+        tensors = {"final_logits": self.final_logits.contiguous()}
+        if self.eval_logits is not None:
+            tensors["eval_logits"] = self.eval_logits.contiguous()
+        info = {
+            "evaluations": self.evaluations,
+            "seconds": self.seconds,
+            "sec_fwd_bwd": self.sec_fwd_bwd,
+            "sec_opt": self.sec_opt,
+        }
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with atomic_write(path) as tmp:
+            save_file(tensors, str(tmp), metadata={"info": json.dumps(info)})
+
+    @classmethod
+    def load(cls, path: Path) -> PhaseAResult | None:
+        if not path.is_file():
+            return None
+        from safetensors import safe_open
+
+        with safe_open(str(path), framework="pt") as fh:
+            info = json.loads(fh.metadata()["info"])
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        return cls(
+            info["evaluations"], tensors.get("eval_logits"), tensors["final_logits"],
+            info["seconds"], info["sec_fwd_bwd"], info["sec_opt"], cached=True,
+        )  # fmt: skip
+
+    @classmethod
+    def from_module(cls, module, seconds: float) -> PhaseAResult:
+        fb, opt = module.timer.means()
+        logits = torch.stack(module.eval_logits) if module.eval_logits else None
+        evaluations = [{**e.as_dict(), "closed_names": e.closed_names[:32]}
+                       for e in module.evaluations]  # fmt: skip
+        for e in evaluations:
+            e.pop("score", None)  # depends on the target: recomputed at selection
+        return cls(evaluations, logits, module.logits.detach().cpu().clone(), seconds, fb, opt)

@@ -1,0 +1,206 @@
+"""bake's own forward over a Llama-style decoder: virtual layers, per-visit FFN gates, frozen
+attention, and a next-token loss that never holds the full-vocabulary logits of a batch.
+
+A looped model runs its physical layers ``loops`` times with shared weights: virtual layer
+``v`` runs physical layer ``v % num_layers``, pass-major. With ``loop_norm`` the residual
+stream is replaced by its final-norm output at each boundary BETWEEN passes; the last pass ends
+with the ordinary final norm, once, before the head.
+
+Attention runs under ``no_grad``: its output is a constant of the backward, so the gradient
+walks the residual stream through the FFN chain only (the recipe's gradient, and what makes a
+step cheap: no attention activations are kept).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import nullcontext
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+LOGIT_BUDGET = 1 << 23  # elements of one logits block (32 MiB in fp32): rows = budget // vocab
+FfnOverride = Mapping[int, Sequence[Tensor]]  # physical layer -> (gate, up, down) weights
+Observer = Callable[[int, Tensor], None]
+
+
+class Stack:
+    """A view of a Hugging Face causal LM that bake runs layer by layer.
+
+    The model's weights are shared, never copied; bake's phases hold only their own trainable
+    tensors (mask logits, FFN copies) and pass them to :meth:`hidden`.
+    """
+
+    def __init__(self, lm, loops: int = 1, loop_norm: bool = True):
+        self.lm = lm
+        core = lm.model
+        self.embed = core.embed_tokens
+        self.layers = list(core.layers)
+        self.norm = core.norm
+        self.rotary = core.rotary_emb
+        self.head = lm.lm_head
+        self.loops = int(loops)
+        self.loop_norm = bool(loop_norm)
+        self.num_layers = len(self.layers)
+        self.inter = self.layers[0].mlp.gate_proj.out_features
+        self.hidden_size = self.embed.weight.shape[1]
+        self.vocab = self.head.weight.shape[0]
+        if getattr(lm.config, "_attn_implementation", "sdpa") != "sdpa":
+            lm.set_attn_implementation("sdpa")  # causal without a mask tensor
+
+    @property
+    def num_virtual(self) -> int:
+        return self.num_layers * self.loops
+
+    @property
+    def device(self) -> torch.device:
+        return self.embed.weight.device
+
+    def ffn_weights(self, layer: int) -> tuple[Tensor, Tensor, Tensor]:
+        mlp = self.layers[layer].mlp
+        return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
+
+    def _ffn(self, li: int, x: Tensor, gate: Tensor | None, ffn: FfnOverride | None,
+             observe: Observer | None, v: int) -> Tensor:  # fmt: skip
+        mlp = self.layers[li].mlp
+        wg, wu, wd = ffn[li] if ffn is not None and li in ffn else self.ffn_weights(li)
+        act = mlp.act_fn(F.linear(x, wg)) * F.linear(x, wu)
+        if observe is not None:
+            observe(v, act)
+        return F.linear(act if gate is None else act * gate, wd)
+
+    def hidden(
+        self,
+        ids: Tensor,
+        gates: Tensor | Sequence[Tensor | None] | None = None,
+        ffn: FfnOverride | None = None,
+        observe: Observer | None = None,
+    ) -> Tensor:
+        """Final-norm hidden states [batch, seq, hidden] of ``ids`` [batch, seq].
+
+        Args:
+            gates: one row per virtual layer ([num_virtual, inter] or a sequence of rows, None
+                for an open row), multiplying the input of ``down_proj``; None: all open.
+            ffn: trained (gate, up, down) weights replacing physical layers' FFN.
+            observe: called with (virtual layer, FFN activations before the gate).
+        """
+        b, t = ids.shape
+        with torch.no_grad():
+            h = self.embed(ids)
+            pos = torch.arange(t, device=ids.device).unsqueeze(0)
+            rope = self.rotary(h, pos)
+        last = self.num_virtual - 1
+        for v in range(self.num_virtual):
+            li = v % self.num_layers
+            layer = self.layers[li]
+            with torch.no_grad():
+                attn = layer.self_attn(
+                    layer.input_layernorm(h), position_embeddings=rope, attention_mask=None
+                )[0]
+            h = h + attn
+            row = None if gates is None else gates[v]
+            h = h + self._ffn(li, layer.post_attention_layernorm(h), row, ffn, observe, v)
+            if self.loop_norm and li == self.num_layers - 1 and v < last:
+                h = self.norm(h)
+        return self.norm(h)
+
+    def nll(self, ids: Tensor, gates=None, ffn: FfnOverride | None = None) -> tuple[Tensor, int]:
+        """Summed next-token NLL of ``ids`` and the number of scored positions (no gradient)."""
+        hn = self.hidden(ids, gates, ffn)
+        rows = hn[:, :-1].reshape(-1, hn.shape[-1])
+        return _nll_sum(rows, self.head.weight, ids[:, 1:].reshape(-1)), rows.shape[0]
+
+    def loss(self, ids: Tensor, gates=None, ffn: FfnOverride | None = None) -> Tensor:
+        """Mean next-token cross-entropy of ``ids`` [batch, seq], differentiable w.r.t. the
+        hidden states (the head is frozen): the recipe's training loss."""
+        hn = self.hidden(ids, gates, ffn)
+        rows = hn[:, :-1].reshape(-1, hn.shape[-1])
+        return _HeadCrossEntropy.apply(rows, self.head.weight, ids[:, 1:].reshape(-1))
+
+
+def _block_rows(vocab: int) -> int:
+    return max(1, LOGIT_BUDGET // vocab)
+
+
+def _nll_sum(rows: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+    """Sum of -log p(target) over rows, computing the logits a block of rows at a time."""
+    total = torch.zeros((), dtype=torch.float64, device=rows.device)
+    step = _block_rows(weight.shape[0])
+    for r0 in range(0, rows.shape[0], step):
+        logits = (rows[r0 : r0 + step] @ weight.T).float()
+        tgt = targets[r0 : r0 + step]
+        picked = logits.gather(1, tgt[:, None]).squeeze(1)
+        total += (torch.logsumexp(logits, dim=1) - picked).sum(dtype=torch.float64)
+    return total
+
+
+class _HeadCrossEntropy(torch.autograd.Function):
+    """Mean cross-entropy of ``rows @ weight.T`` against ``targets``, by blocks of rows.
+
+    The gradient w.r.t. the rows, (softmax - onehot) @ weight / N, is formed in the forward
+    block by block, so neither the logits nor a log-softmax copy outlive their block; the
+    backward only scales it. The head weight is frozen in both phases.
+    """
+
+    @staticmethod
+    def forward(ctx, rows: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
+        n = rows.shape[0]
+        grad = torch.empty_like(rows)
+        total = torch.zeros((), dtype=torch.float64, device=rows.device)
+        step = _block_rows(weight.shape[0])
+        for r0 in range(0, n, step):
+            logits = rows[r0 : r0 + step] @ weight.T
+            tgt = targets[r0 : r0 + step]
+            lse = torch.logsumexp(logits, dim=1, keepdim=True)
+            total += (lse.squeeze(1) - logits.gather(1, tgt[:, None]).squeeze(1)).sum(
+                dtype=torch.float64
+            )
+            probs = logits.sub_(lse).exp_()
+            probs[torch.arange(tgt.shape[0], device=tgt.device), tgt] -= 1.0
+            torch.mm(probs, weight, out=grad[r0 : r0 + step])
+        ctx.save_for_backward(grad)
+        ctx.n = n
+        return (total / n).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        (grad,) = ctx.saved_tensors
+        return grad * (grad_out / ctx.n), None, None
+
+
+def autocast_for(device: torch.device, precision: str):
+    """The autocast context of an evaluation: bf16 on CUDA when allowed, else none (fp32)."""
+    if device.type == "cuda" and precision in ("auto", "bf16"):
+        return torch.autocast("cuda", dtype=torch.bfloat16)
+    return nullcontext()
+
+
+@torch.inference_mode()
+def held_nll(
+    stack: Stack,
+    chunks: Tensor,
+    gates=None,
+    ffn: FfnOverride | None = None,
+    batch_size: int = 12,
+    precision: str = "fp32",
+) -> tuple[float, int]:
+    """Summed NLL and scored positions of ``chunks`` [n, seq], in batches of ``batch_size``."""
+    total, count = 0.0, 0
+    device = stack.device
+    with autocast_for(device, precision):
+        for i in range(0, chunks.shape[0], batch_size):
+            ids = chunks[i : i + batch_size].to(device, non_blocking=True)
+            nll, n = stack.nll(ids, gates, ffn)
+            total += float(nll)
+            count += n
+    return total, count
+
+
+def perplexity(nll: float, count: int) -> float:
+    """exp(mean NLL); inf when the mean overflows."""
+    try:
+        return math.exp(nll / max(count, 1))
+    except OverflowError:
+        return math.inf

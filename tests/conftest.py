@@ -1,0 +1,105 @@
+"""Shared fixtures: the composed config, the tiny models, a small corpus, in-process bakes.
+
+Most tests run bake in this process (``bake.__main__.main``), so the ~10 s of imports are paid
+once; a handful run real ``python -m bake`` subprocesses.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CONF = REPO / "conf"
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the hub
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+
+
+def compose(overrides: list[str] | None = None):
+    """The composed config (Hydra's compose API), as the command line would build it."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize_config_dir
+
+    import bake.config  # noqa: F401  (schemas, resolvers)
+
+    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
+        return hydra_compose("config", overrides=["paths.outputs=/nonexistent", *(overrides or [])])
+
+
+WORDS = (
+    "def return class import self value list dict print result index error data file path "
+    "name model layer token chunk mask gate neuron train step loss batch open close read write"
+).split()
+
+
+def write_docs(folder: Path, n: int, seed: int = 0, min_lines: int = 20, max_lines: int = 60):
+    """``n`` small Python-like text documents (deterministic)."""
+    rng = random.Random(seed)
+    folder.mkdir(parents=True, exist_ok=True)
+    for i in range(n):
+        lines = []
+        for _ in range(rng.randint(min_lines, max_lines)):
+            indent = "    " * rng.randint(0, 2)
+            lines.append(indent + " ".join(rng.choice(WORDS) for _ in range(rng.randint(3, 9))))
+        (folder / f"doc_{i:03d}.py").write_text("\n".join(lines) + "\n")
+    return folder
+
+
+@pytest.fixture(scope="session")
+def docs_dir(tmp_path_factory) -> Path:
+    return write_docs(tmp_path_factory.mktemp("docs"), 80)
+
+
+def tiny_args(outputs: Path, docs: Path, *extra: str) -> list[str]:
+    """Overrides of a fast tiny bake on the small corpus."""
+    return [
+        "model=tiny",
+        "corpus=text_files",
+        f"corpus.glob={docs}/*.py",
+        "corpus.chunk_len=32",
+        "corpus.held_chunks=6",
+        "corpus.calib_chunks=24",
+        "phase_a.steps=24",
+        "phase_a.eval_every=8",
+        "phase_a.l1_mult=8",
+        "phase_b.steps=8",
+        "phase_b.eval_every=4",
+        "phase_b.layers=2",
+        "trainer.progress_bar=false",
+        "trainer.eval_batch_size=4",
+        f"paths.outputs={outputs}",
+        *extra,
+    ]
+
+
+def run_bake(args: list[str]) -> int:
+    """``python -m bake ARGS`` in this process; returns the exit code."""
+    from bake.__main__ import main
+
+    return main(args)
+
+
+def last_run(outputs: Path) -> Path:
+    runs = sorted((outputs / "runs").glob("*/*"))
+    assert runs, f"no run directory under {outputs}"
+    return runs[-1]
+
+
+def report(run_dir: Path) -> dict:
+    return json.loads((run_dir / "report.json").read_text())
+
+
+def subprocess_env() -> dict:
+    env = dict(os.environ)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+PYTHON = sys.executable

@@ -1,0 +1,103 @@
+"""Composition of every shipped YAML, the schemas' compose-time refusals, the validation pass."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+from conftest import CONF, PYTHON, REPO, compose, run_bake, subprocess_env
+from hydra.errors import ConfigCompositionException
+
+from bake.errors import ConfigError
+from bake.validate import validate
+
+GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONF)))
+def test_every_yaml_composes(path):
+    group = path.parent.relative_to(CONF).as_posix()
+    cfg = compose([f"{group}={path.stem}"])
+    assert cfg[group.split("/")[0]] is not None
+
+
+def test_every_yaml_key_is_commented():
+    for path in sorted(CONF.rglob("*.yaml")):
+        lines = path.read_text().splitlines()
+        assert lines[0].startswith("#"), f"{path}: starts with a comment naming its command"
+        for line in lines:
+            body = line.split("#", 1)[0]
+            is_key = ":" in body and not line.lstrip().startswith(("-", "#"))
+            if is_key and body.rstrip().endswith(":") is False and "defaults" not in body:
+                assert "#" in line or path.name != "config.yaml" or line.startswith(" "), line
+
+
+def test_defaults_are_the_reference_recipe():
+    cfg = compose()
+    a, b, c, e = cfg.phase_a, cfg.phase_b, cfg.corpus, cfg.export
+    assert cfg.model.name == "smollm2" and cfg.seed == 0
+    assert (a.steps, a.l1_init, a.l1_step, a.l1_mult, a.lr) == (240, 0.01, 0.005, 1.0, 0.1)
+    assert (a.eval_every, a.tau, a.target_sparsity) == (30, 0.5, 0.0)
+    assert (b.steps, b.lr, b.layers, b.eval_every) == (120, 1e-5, 4, 30)
+    assert (e.align, e.uniform_inter) == (32, False)
+    assert (c.chunk_len, c.held_chunks, c.calib_chunks, c.chunks_per_doc) == (256, 12, 240, 1)
+
+
+@pytest.mark.parametrize(
+    "override, key",
+    [("phase_a.l1_mult=two", "phase_a.l1_mult"), ("phase_a.stepz=3", "phase_a.stepz"),
+     ("phase_a.gate=sigmoidal", "phase_a.gate"), ("corpus.chunk_len=1.5", "corpus.chunk_len")],
+)  # fmt: skip
+def test_wrong_type_or_unknown_key_fails_at_compose(override, key):
+    with pytest.raises(ConfigCompositionException) as err:
+        compose([override])
+    assert key.rsplit(".", 1)[-1] in str(err.value.__cause__ or err.value)
+
+
+def test_validation_reports_every_problem_with_its_path():
+    cfg = compose([
+        "phase_a.tau=1.5", "phase_b.layers=0", "export.align=-1", "corpus.chunk_len=1",
+        "phase_a.target_sparsity=1.0", "phase_a.steps=0", "phase_a.eval_every=0",
+    ])  # fmt: skip
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    for path in ("phase_a.tau=1.5", "phase_b.layers=0", "export.align=-1", "corpus.chunk_len=1",
+                 "phase_a.target_sparsity=1.0", "phase_a.steps=0", "phase_a.eval_every=0"):  # fmt: skip
+        assert path in text
+    assert len(err.value.problems) == 7
+
+
+def test_shape_checks_read_metadata_only():
+    cfg = compose(["phase_b.layers=31", "corpus.chunk_len=9000"])  # smollm2: 30 layers, 8192
+    t0 = time.perf_counter()
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    assert time.perf_counter() - t0 < 5  # the GGUF header, not the weights
+    assert "phase_b.layers=31: must be in [1, 30]" in str(err.value)
+    assert "corpus.chunk_len=9000: above the model's context of 8192" in str(err.value)
+
+
+def test_in_process_exit_code_2_and_no_traceback(capsys):
+    assert run_bake(["phase_a.tau=1.5", "phase_b.layers=0", "paths.outputs=/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert "phase_a.tau=1.5" in err and "phase_b.layers=0" in err
+    assert "Traceback" not in err
+
+
+def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
+    env = subprocess_env()
+    bad = subprocess.run([PYTHON, "-m", "bake", "phase_a.tau=1.5", "phase_b.layers=0"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert bad.returncode == 2, bad.stderr
+    assert "phase_a.tau=1.5" in bad.stderr and "phase_b.layers=0" in bad.stderr
+    assert "Traceback" not in bad.stderr
+    typo = subprocess.run([PYTHON, "-m", "bake", "phase_a.l1_mult=two"], cwd=tmp_path, env=env,
+                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert typo.returncode != 0 and "phase_a.l1_mult" in typo.stderr
+    job = subprocess.run([PYTHON, "-m", "bake", "model=nanbeige", "--cfg", "job"], cwd=REPO,
+                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    assert job.returncode == 0, job.stderr
+    assert "Nanbeige/Nanbeige4.2-3B" in job.stdout and "phase_a:" in job.stdout
+    assert not list((tmp_path / "outputs").glob("runs/*/*"))  # no run directory left behind

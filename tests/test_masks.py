@@ -1,0 +1,150 @@
+"""The recipe's arithmetic: init logit, L1 schedule, selection, cosine, clip, keep masks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from bake import masks
+
+
+@pytest.mark.parametrize("loops", [1, 2, 3])
+def test_mask_init_logit_holds_the_effective_start(loops):
+    m0 = masks.mask_init_logit(loops)
+    assert torch.sigmoid(torch.tensor(m0)) ** loops == pytest.approx(
+        float(torch.sigmoid(torch.tensor(2.0))), rel=1e-6
+    )
+    if loops == 1:
+        assert m0 == pytest.approx(2.0, abs=1e-6)
+    else:
+        assert m0 > 2.0  # each visit opens further so the product stays at sigma(2)
+
+
+def test_l1_schedule_scales_both_terms_with_mult():
+    assert masks.l1_weight(0.01, 0.005, 1.0, 0) == pytest.approx(0.01)
+    assert masks.l1_weight(0.01, 0.005, 1.0, 3) == pytest.approx(0.025)
+    assert masks.l1_weight(0.01, 0.005, 2.0, 0) == pytest.approx(0.02)
+    assert masks.l1_weight(0.01, 0.005, 2.0, 3) == pytest.approx(0.05)
+
+
+def test_l1_penalty_uses_the_physical_layer_denominator():
+    logits = torch.zeros(6, 10)  # 3 physical layers x 2 loops, sigma = 0.5
+    assert float(masks.l1_penalty(logits, 0.3, num_physical_layers=3)) == pytest.approx(
+        0.3 / (10 * 3) * 30
+    )
+
+
+def test_straight_through_gate_is_hard_forward_soft_backward():
+    m = torch.tensor([[-1.0, 0.5, 3.0]], requires_grad=True)
+    g = masks.soft_gates(m, 0.5, straight_through=True)
+    assert g.tolist() == [[0.0, 1.0, 1.0]]
+    g.sum().backward()
+    s = torch.sigmoid(m.detach())
+    assert torch.allclose(m.grad, s * (1 - s))
+
+
+def test_closed_since_names_virtual_layer_and_index():
+    prev = torch.tensor([[True, True], [True, False]])
+    cur = torch.tensor([[True, False], [False, False]])
+    assert masks.closed_since(prev, cur) == ["L0:1", "L1:0"]
+    assert masks.closed_since(None, cur) == []
+
+
+def test_selection_lowest_ppl_at_target_zero_first_on_ties():
+    evals = [(12.0, 0.0), (11.5, 0.01), (11.5, 0.02), (13.0, 0.05)]
+    assert masks.select(evals, 0.0) == 1
+
+
+def test_selection_respects_the_target_and_falls_back_to_first_sparsest():
+    evals = [(11.0, 0.05), (12.0, 0.21), (11.9, 0.25), (30.0, 0.3)]
+    assert masks.select(evals, 0.2) == 2
+    below = [(11.0, 0.05), (12.0, 0.10), (13.0, 0.10), (12.5, 0.08)]
+    i = masks.select(below, 0.2)
+    assert i == 1 and masks.fell_back(*below[i], 0.2)
+    assert masks.select([], 0.2) is None
+
+
+def test_selection_score_matches_select():
+    evals = [(11.0, 0.05), (12.0, 0.21), (11.9, 0.25), (math.inf, 0.4)]
+    scores = [masks.selection_score(p, s, 0.2) for p, s in evals]
+    assert scores.index(min(scores)) == masks.select(evals, 0.2) == 2
+
+
+def test_cosine_scale_values():
+    assert masks.cosine_scale(0, 120) == pytest.approx(1.0)
+    assert masks.cosine_scale(60, 120) == pytest.approx(0.5)
+    assert masks.cosine_scale(120, 120) == pytest.approx(0.0, abs=1e-12)
+    assert masks.cosine_scale(30, 120) == pytest.approx(0.5 * (1 + math.cos(math.pi / 4)))
+
+
+def test_clip_scales_by_norm_over_all_tensors():
+    a, b = torch.zeros(2, requires_grad=True), torch.zeros(1, requires_grad=True)
+    a.grad, b.grad = torch.tensor([3.0, 0.0]), torch.tensor([4.0])
+    assert masks.clip_global_norm([a, b], 1.0) == pytest.approx(5.0)
+    assert a.grad.tolist() == pytest.approx([0.6, 0.0]) and b.grad.tolist() == pytest.approx([0.8])
+    a.grad, b.grad = torch.tensor([0.3, 0.0]), torch.tensor([0.4])
+    masks.clip_global_norm([a, b], 1.0)
+    assert a.grad.tolist() == pytest.approx([0.3, 0.0])  # under the bound: untouched
+
+
+# -- keep_masks: the reference's three cases ---------------------------------------------------
+def kept(keep):
+    return keep.sum(dim=1).tolist()
+
+
+def test_keep_masks_aligns_up_and_preserves_alive():
+    inter = 96
+    l0 = torch.tensor([1.0 if i < 40 else -1.0 - i * 0.01 for i in range(inter)])
+    l1 = torch.tensor([2.0 if i < 64 else -3.0 for i in range(inter)])
+    keep = masks.keep_masks(torch.stack([l0, l1]), 0.5, 32, False)
+    assert kept(keep) == [64, 64]
+    assert keep[0, :64].all() and not keep[0, 64:].any()
+
+
+def test_keep_masks_uniform_takes_max():
+    inter = 96
+    l0 = torch.tensor([1.0 if i < 10 else -2.0 for i in range(inter)])
+    l1 = torch.tensor([1.0 if i < 70 else -2.0 for i in range(inter)])
+    assert kept(masks.keep_masks(torch.stack([l0, l1]), 0.5, 32, True)) == [96, 96]
+
+
+def test_keep_masks_edges():
+    inter = 48
+    logits = torch.tensor([[1.0 if i < 47 else -2.0 for i in range(inter)]])
+    assert kept(masks.keep_masks(logits, 0.5, 32, False)) == [48]  # 47 -> 64, capped at 48
+    assert kept(masks.keep_masks(logits, 0.5, 1, False)) == [47]
+    dead = torch.full((1, inter), -5.0)
+    assert kept(masks.keep_masks(dead, 0.5, 32, False)) == [32]  # max(1) rounded to 32
+    assert kept(masks.keep_masks(dead, 0.5, 0, False)) == [1]
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    rows=st.integers(1, 5), inter=st.integers(1, 100), align=st.integers(0, 40),
+    uniform=st.booleans(), seed=st.integers(0, 10_000),
+)  # fmt: skip
+def test_keep_masks_properties(rows, inter, align, uniform, seed):
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(rows, inter, generator=g) * 2
+    keep = masks.keep_masks(logits, 0.5, align, uniform)
+    alive = masks.alive(logits, 0.5)
+    counts = kept(keep)
+    for r, k in enumerate(counts):
+        assert k == inter or align <= 1 or k % align == 0
+        assert k >= max(1, int(alive[r].sum()))
+        assert keep[r][alive[r]].all()  # originally-alive neurons stay
+        revived = keep[r] & ~alive[r]
+        pruned_left = ~keep[r] & ~alive[r]
+        if revived.any() and pruned_left.any():  # revived = the highest pruned logits
+            assert logits[r][revived].min() >= logits[r][pruned_left].max()
+    if uniform:
+        assert len(set(counts)) == 1
+
+
+def test_physical_keep_is_the_union_over_visits():
+    visits = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 1]], dtype=torch.bool)
+    assert masks.physical_keep(visits, 2).int().tolist() == [[1, 1, 0], [0, 0, 1]]
