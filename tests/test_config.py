@@ -46,9 +46,13 @@ def test_defaults_are_the_reference_recipe():
 
 @pytest.mark.parametrize(
     "override, key",
-    [("phase_a.l1_mult=two", "phase_a.l1_mult"), ("phase_a.stepz=3", "phase_a.stepz"),
-     ("phase_a.gate=sigmoidal", "phase_a.gate"), ("corpus.chunk_len=1.5", "corpus.chunk_len")],
-)  # fmt: skip
+    [
+        ("phase_a.l1_mult=two", "phase_a.l1_mult"),
+        ("phase_a.stepz=3", "phase_a.stepz"),
+        ("phase_a.gate=sigmoidal", "phase_a.gate"),
+        ("corpus.chunk_len=1.5", "corpus.chunk_len"),
+    ],
+)
 def test_wrong_type_or_unknown_key_fails_at_compose(override, key):
     with pytest.raises(ConfigCompositionException) as err:
         compose([override])
@@ -56,15 +60,29 @@ def test_wrong_type_or_unknown_key_fails_at_compose(override, key):
 
 
 def test_validation_reports_every_problem_with_its_path():
-    cfg = compose([
-        "phase_a.tau=1.5", "phase_b.layers=0", "export.align=-1", "corpus.chunk_len=1",
-        "phase_a.target_sparsity=1.0", "phase_a.steps=0", "phase_a.eval_every=0",
-    ])  # fmt: skip
+    cfg = compose(
+        [
+            "phase_a.tau=1.5",
+            "phase_b.layers=0",
+            "export.align=-1",
+            "corpus.chunk_len=1",
+            "phase_a.target_sparsity=1.0",
+            "phase_a.steps=0",
+            "phase_a.eval_every=0",
+        ]
+    )
     with pytest.raises(ConfigError) as err:
         validate(cfg)
     text = str(err.value)
-    for path in ("phase_a.tau=1.5", "phase_b.layers=0", "export.align=-1", "corpus.chunk_len=1",
-                 "phase_a.target_sparsity=1.0", "phase_a.steps=0", "phase_a.eval_every=0"):  # fmt: skip
+    for path in (
+        "phase_a.tau=1.5",
+        "phase_b.layers=0",
+        "export.align=-1",
+        "corpus.chunk_len=1",
+        "phase_a.target_sparsity=1.0",
+        "phase_a.steps=0",
+        "phase_a.eval_every=0",
+    ):
         assert path in text
     assert len(err.value.problems) == 7
 
@@ -88,16 +106,34 @@ def test_in_process_exit_code_2_and_no_traceback(capsys):
 
 def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
     env = subprocess_env()
-    bad = subprocess.run([PYTHON, "-m", "bake", "phase_a.tau=1.5", "phase_b.layers=0"],
-                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    bad = subprocess.run(
+        [PYTHON, "-m", "bake", "phase_a.tau=1.5", "phase_b.layers=0"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert bad.returncode == 2, bad.stderr
     assert "phase_a.tau=1.5" in bad.stderr and "phase_b.layers=0" in bad.stderr
     assert "Traceback" not in bad.stderr
-    typo = subprocess.run([PYTHON, "-m", "bake", "phase_a.l1_mult=two"], cwd=tmp_path, env=env,
-                          capture_output=True, text=True, timeout=120)  # fmt: skip
+    typo = subprocess.run(
+        [PYTHON, "-m", "bake", "phase_a.l1_mult=two"],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert typo.returncode != 0 and "phase_a.l1_mult" in typo.stderr
-    job = subprocess.run([PYTHON, "-m", "bake", "model=nanbeige", "--cfg", "job"], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=120)  # fmt: skip
+    job = subprocess.run(
+        [PYTHON, "-m", "bake", "model=nanbeige", "--cfg", "job"],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert job.returncode == 0, job.stderr
     assert "Nanbeige/Nanbeige4.2-3B" in job.stdout and "phase_a:" in job.stdout
     assert not list((tmp_path / "outputs").glob("runs/*/*"))  # no run directory left behind

@@ -124,9 +124,12 @@ def test_keep_masks_edges():
 
 @settings(max_examples=60, deadline=None)
 @given(
-    rows=st.integers(1, 5), inter=st.integers(1, 100), align=st.integers(0, 40),
-    uniform=st.booleans(), seed=st.integers(0, 10_000),
-)  # fmt: skip
+    rows=st.integers(1, 5),
+    inter=st.integers(1, 100),
+    align=st.integers(0, 40),
+    uniform=st.booleans(),
+    seed=st.integers(0, 10_000),
+)
 def test_keep_masks_properties(rows, inter, align, uniform, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, inter, generator=g) * 2

@@ -18,10 +18,25 @@ from bake.stack import Stack
 
 
 def tiny_cfg(**kw):
-    base = {"kind": "tiny", "name": "tiny", "loops": 1, "loop_norm": True, "path": None,
-            "package": None, "gguf_file": None, "name_or_path": None,
-            "tiny": {"layers": 3, "hidden_size": 32, "intermediate_size": 128, "heads": 4,
-                     "kv_heads": 2, "max_positions": 128, "init_seed": 0}}  # fmt: skip
+    base = {
+        "kind": "tiny",
+        "name": "tiny",
+        "loops": 1,
+        "loop_norm": True,
+        "path": None,
+        "package": None,
+        "gguf_file": None,
+        "name_or_path": None,
+        "tiny": {
+            "layers": 3,
+            "hidden_size": 32,
+            "intermediate_size": 128,
+            "heads": 4,
+            "kv_heads": 2,
+            "max_positions": 128,
+            "init_seed": 0,
+        },
+    }
     base.update(kw)
     return OmegaConf.create(base)
 
@@ -52,8 +67,12 @@ def unrolled(lm, ids, loops, loop_norm, gates=None):
     rope = core.rotary_emb(h, torch.arange(ids.shape[1])[None])
     for p in range(loops):
         for i, layer in enumerate(core.layers):
-            h = h + layer.self_attn(layer.input_layernorm(h), position_embeddings=rope,
-                                    attention_mask=None)[0]  # fmt: skip
+            h = (
+                h
+                + layer.self_attn(
+                    layer.input_layernorm(h), position_embeddings=rope, attention_mask=None
+                )[0]
+            )
             x = layer.post_attention_layernorm(h)
             act = layer.mlp.act_fn(layer.mlp.gate_proj(x)) * layer.mlp.up_proj(x)
             if gates is not None:
@@ -93,9 +112,18 @@ def write_nanbeige(folder, loops=2, skip_norm=False):
 
     from bake.models.tiny import byte_tokenizer
 
-    cfg = LlamaConfig(vocab_size=257, hidden_size=48, intermediate_size=128, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                      tie_word_embeddings=False, rope_theta=70000.0, max_position_embeddings=256)
+    cfg = LlamaConfig(
+        vocab_size=257,
+        hidden_size=48,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+        rope_theta=70000.0,
+        max_position_embeddings=256,
+    )
     torch.manual_seed(3)
     lm = LlamaForCausalLM(cfg)
     folder.mkdir(parents=True, exist_ok=True)
@@ -104,19 +132,36 @@ def write_nanbeige(folder, loops=2, skip_norm=False):
     names = sorted(state)
     save_file({k: state[k] for k in names[:half]}, str(folder / "model-00001-of-00002.safetensors"))
     save_file({k: state[k] for k in names[half:]}, str(folder / "model-00002-of-00002.safetensors"))
-    index = {"weight_map": {k: f"model-0000{1 if i < half else 2}-of-00002.safetensors"
-                            for i, k in enumerate(names)}}  # fmt: skip
+    index = {
+        "weight_map": {
+            k: f"model-0000{1 if i < half else 2}-of-00002.safetensors" for i, k in enumerate(names)
+        }
+    }
     (folder / "model.safetensors.index.json").write_text(json.dumps(index))
     config = {
-        "architectures": ["NanbeigeForCausalLM"], "model_type": "nanbeige",
+        "architectures": ["NanbeigeForCausalLM"],
+        "model_type": "nanbeige",
         "auto_map": {"AutoModelForCausalLM": "modeling_nanbeige.NanbeigeForCausalLM"},
-        "vocab_size": 257, "hidden_size": 48, "intermediate_size": 128, "num_hidden_layers": 2,
-        "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16,
-        "rope_theta": 70000.0, "rope_scaling": None, "rms_norm_eps": 1e-6,
-        "max_position_embeddings": 256, "tie_word_embeddings": False, "hidden_act": "silu",
-        "num_loops": loops, "loop_loss_weights": [], "skip_loop_final_norm": skip_norm,
-        "torch_dtype": "bfloat16", "bos_token_id": 256, "eos_token_id": 256,
-    }  # fmt: skip
+        "vocab_size": 257,
+        "hidden_size": 48,
+        "intermediate_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "rope_theta": 70000.0,
+        "rope_scaling": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 256,
+        "tie_word_embeddings": False,
+        "hidden_act": "silu",
+        "num_loops": loops,
+        "loop_loss_weights": [],
+        "skip_loop_final_norm": skip_norm,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 256,
+        "eos_token_id": 256,
+    }
     (folder / "config.json").write_text(json.dumps(config))
     byte_tokenizer().save_pretrained(folder)
     return folder
@@ -168,8 +213,15 @@ def reference_forward(folder, ids, loops, loop_norm):
 @pytest.mark.parametrize("skip_norm", [False, True])
 def test_nanbeige_format_loads_and_loops(tmp_path, skip_norm):
     folder = write_nanbeige(tmp_path / "nb", loops=2, skip_norm=skip_norm)
-    mcfg = OmegaConf.create({"kind": "nanbeige", "name": "nb", "name_or_path": str(folder),
-                             "loops": None, "loop_norm": None})  # fmt: skip
+    mcfg = OmegaConf.create(
+        {
+            "kind": "nanbeige",
+            "name": "nb",
+            "name_or_path": str(folder),
+            "loops": None,
+            "loop_norm": None,
+        }
+    )
     meta = read_meta(mcfg)
     assert (meta.num_layers, meta.intermediate, meta.loops) == (2, 128, 2)
     assert meta.loop_norm is (not skip_norm)
@@ -191,16 +243,24 @@ def test_nanbeige_refuses_unsupported_options(tmp_path):
     cfg = json.loads((folder / "config.json").read_text())
     cfg["qk_layernorm"] = True
     (folder / "config.json").write_text(json.dumps(cfg))
-    mcfg = OmegaConf.create({"kind": "nanbeige", "name": "nb", "name_or_path": str(folder),
-                             "loops": None, "loop_norm": None})  # fmt: skip
+    mcfg = OmegaConf.create(
+        {
+            "kind": "nanbeige",
+            "name": "nb",
+            "name_or_path": str(folder),
+            "loops": None,
+            "loop_norm": None,
+        }
+    )
     with pytest.raises(BakeError, match="qk_layernorm"):
         load_model(mcfg, tmp_path / "cache")
 
 
 # -- refusals ------------------------------------------------------------------------------------
 def hf_cfg(path):
-    return OmegaConf.create({"kind": "hf", "name": "m", "name_or_path": str(path), "loops": None,
-                             "loop_norm": None})  # fmt: skip
+    return OmegaConf.create(
+        {"kind": "hf", "name": "m", "name_or_path": str(path), "loops": None, "loop_norm": None}
+    )
 
 
 def test_missing_path_and_offline_hub_id_are_one_line(tmp_path):
@@ -231,9 +291,17 @@ def test_non_gated_mlp_is_refused_naming_the_module(tmp_path):
 def test_fused_gate_up_mlp_is_refused_naming_the_module(tmp_path):
     from transformers import Phi3Config, Phi3ForCausalLM
 
-    Phi3ForCausalLM(Phi3Config(num_hidden_layers=2, hidden_size=32, intermediate_size=64,
-                               num_attention_heads=2, num_key_value_heads=2, vocab_size=300,
-                               pad_token_id=0)).save_pretrained(tmp_path / "phi3")  # fmt: skip
+    Phi3ForCausalLM(
+        Phi3Config(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=300,
+            pad_token_id=0,
+        )
+    ).save_pretrained(tmp_path / "phi3")
     with pytest.raises(BakeError) as err:
         load_model(hf_cfg(tmp_path / "phi3"), tmp_path / "cache")
     assert "Phi3MLP (gate_up_proj, down_proj" in str(err.value)
@@ -243,10 +311,17 @@ def test_fused_gate_up_mlp_is_refused_naming_the_module(tmp_path):
 def test_layers_of_different_ffn_widths_are_refused(tmp_path):
     folder = tmp_path / "het"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps({
-        "model_type": "llama", "num_hidden_layers": 3, "intermediate_size": 96,
-        "hidden_size": 64, "per_layer_config": {"1": {"intermediate_size": 48}},
-    }))  # fmt: skip
+    (folder / "config.json").write_text(
+        json.dumps(
+            {
+                "model_type": "llama",
+                "num_hidden_layers": 3,
+                "intermediate_size": 96,
+                "hidden_size": 64,
+                "per_layer_config": {"1": {"intermediate_size": 48}},
+            }
+        )
+    )
     with pytest.raises(BakeError, match=r"different FFN widths \(\[48, 96\]\)"):
         read_meta(hf_cfg(folder))
 

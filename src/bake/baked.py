@@ -90,8 +90,10 @@ def _load_weights(lm, path: Path, tied: bool) -> None:
     if problems:
         raise BakeError(
             f"{path}: model.safetensors does not match its config.json ("
-            + "; ".join(problems[:4]) + (" ..." if len(problems) > 4 else "") + ")"
-        )  # fmt: skip
+            + "; ".join(problems[:4])
+            + (" ..." if len(problems) > 4 else "")
+            + ")"
+        )
     lm.load_state_dict({k: v.float() for k, v in state.items()}, strict=False, assign=True)
     if tied:
         lm.lm_head.weight = lm.model.embed_tokens.weight

@@ -9,37 +9,37 @@ about a second.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from enum import Enum
+from enum import StrEnum
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
 
 
-class ModelKind(str, Enum):
+class ModelKind(StrEnum):
     gguf = "gguf"  # a GGUF file (a path, or a file shipped inside a Python package)
     hf = "hf"  # a Hugging Face directory or hub id of a Llama-style decoder
     nanbeige = "nanbeige"  # a looped Nanbeige4.2 checkpoint (config.json + safetensors)
     tiny = "tiny"  # a small random-init Llama built in code, with a byte-level tokenizer
 
 
-class CorpusSource(str, Enum):
+class CorpusSource(StrEnum):
     python_stdlib = "python_stdlib"
     text_files = "text_files"
     jsonl = "jsonl"
 
 
-class Gate(str, Enum):
+class Gate(StrEnum):
     sigmoid = "sigmoid"  # the reference: sigma(m) multiplies the FFN activations
     straight_through = "straight_through"  # hard 0/1 forward, sigmoid gradient
 
 
-class MaskInit(str, Enum):
+class MaskInit(StrEnum):
     constant = "constant"  # every logit starts at the loop-solved init logit
     wanda = "wanda"  # init logit + per-layer z-score of log(Wanda-sp score)
 
 
-class Precision(str, Enum):
+class Precision(StrEnum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 elsewhere
     fp32 = "fp32"
     bf16 = "bf16"

@@ -173,8 +173,12 @@ class _Split:
 
     def __init__(self, want: int, chunk_len: int, per_doc: int, eos: int, rng: random.Random):
         self.want, self.chunk_len, self.per_doc, self.eos, self.rng = (
-            want, chunk_len, per_doc, eos, rng,
-        )  # fmt: skip
+            want,
+            chunk_len,
+            per_doc,
+            eos,
+            rng,
+        )
         self.chunks: list[list[int]] = []
         self.docs: list[str] = []
         self._pack: list[int] = []
@@ -213,7 +217,9 @@ def _split(ccfg, docs: list[_Doc], tokenizer, seed: int, skipped: Counter):
     held, calib = _Split(ccfg.held_chunks, *args), _Split(ccfg.calib_chunks, *args)
     span = ccfg.chunk_len * ccfg.chunks_per_doc * _SPAN_CHARS_PER_TOKEN
     seen = len(order)
-    for i, doc, ids, complete in _tokenised(order, tokenizer, skipped, span, random.Random(seed + 2)):
+    for i, doc, ids, complete in _tokenised(
+        order, tokenizer, skipped, span, random.Random(seed + 2)
+    ):
         (calib if held.full else held).add(doc.ident, ids, complete)
         if calib.full:
             seen = i + 1
@@ -257,8 +263,11 @@ def _check(ccfg, held: _Split, calib: _Split, skipped: Counter, seen: int) -> No
         log.warning(
             "corpus: %d calibration chunks instead of corpus.calib_chunks=%d (%s); steps "
             "beyond them reuse chunks (chunk = step %% %d)",
-            len(calib.chunks), ccfg.calib_chunks, found, len(calib.chunks),
-        )  # fmt: skip
+            len(calib.chunks),
+            ccfg.calib_chunks,
+            found,
+            len(calib.chunks),
+        )
 
 
 def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path) -> Corpus:
@@ -274,15 +283,25 @@ def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path)
     if path.is_file() and info_path.is_file():
         tensors, info = load_file(path), json.loads(info_path.read_text())
         log.info("corpus: cached chunks from %s", path)
-        return Corpus(tensors["held"], tensors["calib"], key, info["held_docs"],
-                      info["calib_docs"], info["skipped"], cached=True)  # fmt: skip
+        return Corpus(
+            tensors["held"],
+            tensors["calib"],
+            key,
+            info["held_docs"],
+            info["calib_docs"],
+            info["skipped"],
+            cached=True,
+        )
     held, calib, seen = _split(ccfg, docs, tokenizer, seed, skipped)
     _check(ccfg, held, calib, skipped, seen)
     corpus = Corpus(
         torch.tensor(held.chunks, dtype=torch.long),
         torch.tensor(calib.chunks, dtype=torch.long),
-        key, held.docs, calib.docs, dict(skipped),
-    )  # fmt: skip
+        key,
+        held.docs,
+        calib.docs,
+        dict(skipped),
+    )
     path.parent.mkdir(parents=True, exist_ok=True)
     with atomic_write(path) as tmp:
         save_file({"held": corpus.held, "calib": corpus.calib}, str(tmp))

@@ -110,8 +110,7 @@ def visit_gates(keep: Keep) -> dict[str, Tensor]:
     """For each virtual row: which of its physical layer's KEPT neurons this visit uses."""
     n = keep.physical.shape[0]
     return {
-        f"visit.{v}": row[keep.physical[v % n]].to(torch.uint8)
-        for v, row in enumerate(keep.visits)
+        f"visit.{v}": row[keep.physical[v % n]].to(torch.uint8) for v, row in enumerate(keep.visits)
     }
 
 

@@ -12,7 +12,9 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
-BIG = 1e12  # selection score of an evaluation below the target sparsity: BIG - sparsity
+# Selection score of an evaluation below the target sparsity: BIG - sparsity. Above any
+# perplexity, and small enough that float64 resolves a single neuron's sparsity difference.
+BIG = 1e9
 
 
 def mask_init_logit(loops: int, base_logit: float = 2.0) -> float:

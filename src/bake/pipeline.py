@@ -44,11 +44,19 @@ class Ctx:
         return Path(self.cfg.paths.cache)
 
     def eval_precision(self) -> str:
-        return str(getattr(self.cfg.phase_a.eval_precision, "value", self.cfg.phase_a.eval_precision))
+        return str(
+            getattr(self.cfg.phase_a.eval_precision, "value", self.cfg.phase_a.eval_precision)
+        )
 
     def held_ppl(self, gates=None, ffn=None) -> float:
-        nll, n = held_nll(self.model.stack, self.corpus.held, gates, ffn,
-                          self.cfg.trainer.eval_batch_size, self.eval_precision())  # fmt: skip
+        nll, n = held_nll(
+            self.model.stack,
+            self.corpus.held,
+            gates,
+            ffn,
+            self.cfg.trainer.eval_batch_size,
+            self.eval_precision(),
+        )
         return perplexity(nll, n)
 
 
@@ -94,14 +102,20 @@ def _stages(ctx: Ctx) -> float:
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     ctx.model = _timed(ctx, "load", load_model, cfg.model, ctx.cache)
     tok_key = f"{ctx.model.key}:{type(ctx.model.tokenizer).__name__}:{len(ctx.model.tokenizer)}"
-    ctx.corpus = _timed(ctx, "corpus", load_corpus, cfg.corpus, ctx.model.tokenizer, tok_key,
-                        cfg.seed, ctx.cache)  # fmt: skip
+    ctx.corpus = _timed(
+        ctx, "corpus", load_corpus, cfg.corpus, ctx.model.tokenizer, tok_key, cfg.seed, ctx.cache
+    )
     log.info(
         "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration "
-        "chunks of %d tokens", ctx.model.key, ctx.model.stack.num_layers, ctx.model.stack.loops,
-        ctx.model.stack.inter, ctx.corpus.held.shape[0], ctx.corpus.calib.shape[0],
+        "chunks of %d tokens",
+        ctx.model.key,
+        ctx.model.stack.num_layers,
+        ctx.model.stack.loops,
+        ctx.model.stack.inter,
+        ctx.corpus.held.shape[0],
+        ctx.corpus.calib.shape[0],
         cfg.corpus.chunk_len,
-    )  # fmt: skip
+    )
     backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
     log.info("baseline (full): %.3f", backbone)
     ctx.tracker.metrics({"final/backbone_ppl": backbone})
@@ -118,11 +132,19 @@ def phase_a_key(ctx: Ctx) -> str:
     cfg = ctx.cfg
     a = {k: v for k, v in resolved(cfg.phase_a).items() if k != "target_sparsity"}
     world = cfg.trainer.devices * cfg.trainer.num_nodes
-    return digest({
-        "model": ctx.model.key, "loops": ctx.model.stack.loops,
-        "loop_norm": ctx.model.stack.loop_norm, "corpus": ctx.corpus.key, "seed": cfg.seed,
-        "phase_a": a, "world": world, "eval_batch": cfg.trainer.eval_batch_size, "version": 1,
-    })  # fmt: skip
+    return digest(
+        {
+            "model": ctx.model.key,
+            "loops": ctx.model.stack.loops,
+            "loop_norm": ctx.model.stack.loop_norm,
+            "corpus": ctx.corpus.key,
+            "seed": cfg.seed,
+            "phase_a": a,
+            "world": world,
+            "eval_batch": cfg.trainer.eval_batch_size,
+            "version": 1,
+        }
+    )
 
 
 def initial_logits(ctx: Ctx) -> torch.Tensor:
@@ -151,8 +173,11 @@ def _phase_a(ctx: Ctx) -> tuple[PhaseAResult, Selection, float]:
     result = PhaseAResult.load(cache_path)
     best = None
     if result is not None:
-        log.info("Phase A: reusing the cached result %s (trained once for these settings; "
-                 "only the selection depends on phase_a.target_sparsity)", cache_path)  # fmt: skip
+        log.info(
+            "Phase A: reusing the cached result %s (trained once for these settings; "
+            "only the selection depends on phase_a.target_sparsity)",
+            cache_path,
+        )
         if not ctx.record.stages.get("phase_a_logged"):
             for ev in result.evaluations:
                 _log_evaluation(ctx.tracker, "phase_a", ev)
@@ -163,11 +188,17 @@ def _phase_a(ctx: Ctx) -> tuple[PhaseAResult, Selection, float]:
         settings = PhaseASettings.from_config(cfg.phase_a, cfg.trainer.eval_batch_size)
         settings.eval_precision = ctx.eval_precision()
         module = PhaseA(
-            stack, ctx.corpus.calib, ctx.corpus.held, settings, initial_logits(ctx),
-            Identity(ctx.model.key, key), lambda ev: _log_evaluation(ctx.tracker, "phase_a", ev),
-        )  # fmt: skip
-        trainer = make_trainer(cfg.trainer, phase_dir, cfg.phase_a.steps, cfg.phase_a.eval_every,
-                               "phase_a/select")  # fmt: skip
+            stack,
+            ctx.corpus.calib,
+            ctx.corpus.held,
+            settings,
+            initial_logits(ctx),
+            Identity(ctx.model.key, key),
+            lambda ev: _log_evaluation(ctx.tracker, "phase_a", ev),
+        )
+        trainer = make_trainer(
+            cfg.trainer, phase_dir, cfg.phase_a.steps, cfg.phase_a.eval_every, "phase_a/select"
+        )
         t0 = time.perf_counter()
         fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
         result = PhaseAResult.from_module(module, time.perf_counter() - t0)
@@ -186,8 +217,14 @@ def _phase_a(ctx: Ctx) -> tuple[PhaseAResult, Selection, float]:
     (log.warning if selection.fell_back else log.info)("[A] %s", selection.note)
     masked = ctx.held_ppl(masks.hard_gates(selection.logits.to(stack.device), cfg.phase_a.tau))
     log.info("[A] %.0fs: masked-PPL %.3f", result.seconds, masked)
-    ctx.tracker.metrics({"final/masked_ppl": masked, "phase_a/selected_sparsity":
-                         masks.sparsity(masks.alive(selection.logits, cfg.phase_a.tau))})  # fmt: skip
+    ctx.tracker.metrics(
+        {
+            "final/masked_ppl": masked,
+            "phase_a/selected_sparsity": masks.sparsity(
+                masks.alive(selection.logits, cfg.phase_a.tau)
+            ),
+        }
+    )
     return result, selection, masked
 
 
@@ -201,34 +238,62 @@ def _phase_b(ctx: Ctx, selection: Selection, masked: float):
     if not b.enabled:
         return None, masked, {"enabled": False, "note": "phase_b.enabled=false", "layers": []}
     gates = masks.hard_gates(selection.logits, cfg.phase_a.tau)
-    settings = PhaseBSettings(b.steps, b.lr, b.layers, b.eval_every, ctx.eval_precision(),
-                              cfg.trainer.eval_batch_size)  # fmt: skip
-    key = digest({"a": phase_a_key(ctx), "mask": digest(gates.to(torch.uint8).flatten().tolist()),
-                  "b": resolved(b)})  # fmt: skip
-    module = PhaseB(stack, ctx.corpus.calib, ctx.corpus.held, settings, gates,
-                    Identity(ctx.model.key, key),
-                    lambda ev: _log_evaluation(ctx.tracker, "phase_b", ev))  # fmt: skip
+    settings = PhaseBSettings(
+        b.steps, b.lr, b.layers, b.eval_every, ctx.eval_precision(), cfg.trainer.eval_batch_size
+    )
+    key = digest(
+        {
+            "a": phase_a_key(ctx),
+            "mask": digest(gates.to(torch.uint8).flatten().tolist()),
+            "b": resolved(b),
+        }
+    )
+    module = PhaseB(
+        stack,
+        ctx.corpus.calib,
+        ctx.corpus.held,
+        settings,
+        gates,
+        Identity(ctx.model.key, key),
+        lambda ev: _log_evaluation(ctx.tracker, "phase_b", ev),
+    )
     phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
     trainer = make_trainer(cfg.trainer, phase_dir, b.steps, b.eval_every, "phase_b/held_ppl")
     t0 = time.perf_counter()
     fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
     info = {
-        "enabled": True, "layers": module.layer_ids, "evaluations": module.evaluations,
-        "seconds_train": time.perf_counter() - t0, "sec_fwd_bwd": module.timer.means()[0],
-    }  # fmt: skip
-    best_ppl = min((e["held_ppl"] for e in module.evaluations), default=math.inf)
-    state = best_state(phase_dir)
-    if state is not None and best_ppl < masked:
-        params = [state[f"ffn.{i}"].float() for i in range(3 * len(module.layer_ids))]
-        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(module.layer_ids)}
-        info |= {"improved": True, "note": f"best held-PPL {best_ppl:.3f} < masked {masked:.3f}"}
-        log.info("[B] restored the best copies: held-PPL %.3f (masked %.3f)", best_ppl, masked)
-        return trained, best_ppl, info
-    why = ("no evaluation was made" if not module.evaluations
-           else f"best held-PPL {best_ppl:.3f} is not below the masked {masked:.3f}")  # fmt: skip
+        "enabled": True,
+        "layers": module.layer_ids,
+        "evaluations": module.evaluations,
+        "seconds_train": time.perf_counter() - t0,
+        "sec_fwd_bwd": module.timer.means()[0],
+    }
+    trained, overlaid, outcome = phase_b_outcome(
+        module.evaluations, best_state(phase_dir), masked, module.layer_ids
+    )
+    (log.info if trained else log.warning)("[B] %s", outcome["note"])
+    return trained, overlaid, info | outcome
+
+
+def phase_b_outcome(evaluations: list[dict], best: dict | None, masked: float, layers: list[int]):
+    """Keep the best copies only when their held-out perplexity is STRICTLY below the masked
+    perplexity of Phase A; otherwise the backbone's FFN weights are used.
+
+    Returns (copies by layer or None, overlaid perplexity, report fields).
+    """
+    best_ppl = min((e["held_ppl"] for e in evaluations), default=math.inf)
+    if best is not None and best_ppl < masked:
+        params = [best[f"ffn.{i}"].float() for i in range(3 * len(layers))]
+        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
+        note = f"restored the best copies: held-PPL {best_ppl:.3f} < masked {masked:.3f}"
+        return trained, best_ppl, {"improved": True, "note": note}
+    why = (
+        "no evaluation was made"
+        if not evaluations
+        else f"best held-PPL {best_ppl:.3f} is not below the masked {masked:.3f}"
+    )
     note = f"Phase B made no improvement ({why}); the backbone's FFN weights are used"
-    log.warning("[B] %s", note)
-    return None, masked, info | {"improved": False, "note": note}
+    return None, masked, {"improved": False, "note": note}
 
 
 def params_of(cfg) -> dict[str, object]:

@@ -23,7 +23,9 @@ def _save(fig, path: Path) -> Path:
     return path
 
 
-def phase_a_plot(evaluations: list[dict], backbone: float, selected: int | None, path: Path) -> Path:
+def phase_a_plot(
+    evaluations: list[dict], backbone: float, selected: int | None, path: Path
+) -> Path:
     """Held-out perplexity against sparsity over Phase A's evaluations."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
@@ -35,8 +37,11 @@ def phase_a_plot(evaluations: list[dict], backbone: float, selected: int | None,
     if selected is not None:
         ax.plot([xs[selected]], [ys[selected]], "r*", markersize=14, label="selected")
     ax.axhline(backbone, color="gray", ls="--", label=f"backbone {backbone:.3f}")
-    ax.set(xlabel="pruned FFN neurons (%)", ylabel="held-out perplexity",
-           title="Phase A: held-out perplexity vs sparsity")  # fmt: skip
+    ax.set(
+        xlabel="pruned FFN neurons (%)",
+        ylabel="held-out perplexity",
+        title="Phase A: held-out perplexity vs sparsity",
+    )
     ax.legend()
     return _save(fig, path)
 
@@ -45,8 +50,12 @@ def phase_b_plot(evaluations: list[dict], masked: float, path: Path) -> Path:
     """Held-out perplexity over Phase B's steps."""
     plt = _plt()
     fig, ax = plt.subplots(figsize=(6.4, 4.2))
-    ax.plot([e["step"] for e in evaluations], [e["held_ppl"] for e in evaluations], "o-",
-            label="repaired FFN")  # fmt: skip
+    ax.plot(
+        [e["step"] for e in evaluations],
+        [e["held_ppl"] for e in evaluations],
+        "o-",
+        label="repaired FFN",
+    )
     ax.axhline(masked, color="gray", ls="--", label=f"masked (Phase A) {masked:.3f}")
     ax.set(xlabel="Phase B step", ylabel="held-out perplexity", title="Phase B: FFN repair")
     ax.legend()
@@ -77,13 +86,21 @@ def sweep_plot(rows: list[dict], path: Path) -> Path:
     ok = [r for r in rows if math.isfinite(r["pruned"]) and math.isfinite(r["exported_ppl"])]
     ax.plot([100 * r["pruned"] for r in ok], [r["exported_ppl"] for r in ok], "o")
     for r in ok:
-        ax.annotate(r["run"][-28:], (100 * r["pruned"], r["exported_ppl"]), fontsize=7,
-                    textcoords="offset points", xytext=(3, 4))  # fmt: skip
+        ax.annotate(
+            r["run"][-28:],
+            (100 * r["pruned"], r["exported_ppl"]),
+            fontsize=7,
+            textcoords="offset points",
+            xytext=(3, 4),
+        )
     backbones = [r["backbone_ppl"] for r in rows if math.isfinite(r["backbone_ppl"])]
     if backbones:
         ax.axhline(backbones[0], color="gray", ls="--", label=f"backbone {backbones[0]:.3f}")
         ax.legend()
     failed = len(rows) - len(ok)
-    ax.set(xlabel="pruned FFN neurons after alignment (%)", ylabel="exported held-out perplexity",
-           title=f"Sweep: {len(ok)} jobs" + (f", {failed} failed" if failed else ""))  # fmt: skip
+    ax.set(
+        xlabel="pruned FFN neurons after alignment (%)",
+        ylabel="exported held-out perplexity",
+        title=f"Sweep: {len(ok)} jobs" + (f", {failed} failed" if failed else ""),
+    )
     return _save(fig, path)

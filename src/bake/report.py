@@ -36,8 +36,9 @@ def exported_ppl(model_dir: Path, fmt: str, ctx) -> float:
             stack, gates = loaded.stack(), loaded.gates()
         else:
             stack, gates = Stack(loaded, 1, True), None
-    nll, n = held_nll(stack, ctx.corpus.held, gates, None, ctx.cfg.trainer.eval_batch_size,
-                      ctx.eval_precision())  # fmt: skip
+    nll, n = held_nll(
+        stack, ctx.corpus.held, gates, None, ctx.cfg.trainer.eval_batch_size, ctx.eval_precision()
+    )
     return perplexity(nll, n)
 
 
@@ -61,8 +62,13 @@ def finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, 
     if not rank_zero():
         return overlaid  # other DDP ranks: the artifact is rank zero's
     t0 = time.perf_counter()
-    keep = export.compute_keep(selection.logits, cfg.phase_a.tau, cfg.export.align,
-                               cfg.export.uniform_inter, stack.num_layers)  # fmt: skip
+    keep = export.compute_keep(
+        selection.logits,
+        cfg.phase_a.tau,
+        cfg.export.align,
+        cfg.export.uniform_inter,
+        stack.num_layers,
+    )
     ffn = export.final_ffn(stack, keep, trained)
     params_before = sum(p.numel() for p in stack.lm.parameters())
     run_dir = ctx.run_dir
@@ -77,30 +83,51 @@ def finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, 
         ctx.seconds["export"] = time.perf_counter() - t0
         ctx.seconds["total"] = time.perf_counter() - t_start
         report = {
-            "model": {"name": cfg.model.name, "key": ctx.model.key, "loops": stack.loops,
-                      "layers": stack.num_layers, "ffn_width": stack.inter},
-            "corpus": {"name": cfg.corpus.name, "held_chunks": int(ctx.corpus.held.shape[0]),
-                       "calib_chunks": int(ctx.corpus.calib.shape[0]),
-                       "skipped_documents": ctx.corpus.skipped},
-            "perplexity": {"backbone": backbone, "masked": masked, "overlaid": overlaid,
-                           "exported": exported},
+            "model": {
+                "name": cfg.model.name,
+                "key": ctx.model.key,
+                "loops": stack.loops,
+                "layers": stack.num_layers,
+                "ffn_width": stack.inter,
+            },
+            "corpus": {
+                "name": cfg.corpus.name,
+                "held_chunks": int(ctx.corpus.held.shape[0]),
+                "calib_chunks": int(ctx.corpus.calib.shape[0]),
+                "skipped_documents": ctx.corpus.skipped,
+            },
+            "perplexity": {
+                "backbone": backbone,
+                "masked": masked,
+                "overlaid": overlaid,
+                "exported": exported,
+            },
             "phase_a": {
                 "sparsity": masks.sparsity(masks.alive(selection.logits, cfg.phase_a.tau)),
                 "selected_step": selection.evaluation["step"] if selection.evaluation else None,
-                "evaluation_made": selection.index is not None, "fell_back": selection.fell_back,
-                "note": selection.note, "cached": result.cached, "evaluations": result.evaluations,
-                "sec_fwd_bwd": result.sec_fwd_bwd, "sec_opt": result.sec_opt,
+                "evaluation_made": selection.index is not None,
+                "fell_back": selection.fell_back,
+                "note": selection.note,
+                "cached": result.cached,
+                "evaluations": result.evaluations,
+                "sec_fwd_bwd": result.sec_fwd_bwd,
+                "sec_opt": result.sec_opt,
             },
             "phase_b": b_info,
-            "export": {"pruned_ratio": keep.pruned_ratio, "revived": keep.revived,
-                       "align": cfg.export.align, "uniform_inter": cfg.export.uniform_inter,
-                       "format": fmt, "kept_per_layer": keep.per_layer,
-                       "kept_per_visit": keep.per_visit},
+            "export": {
+                "pruned_ratio": keep.pruned_ratio,
+                "revived": keep.revived,
+                "align": cfg.export.align,
+                "uniform_inter": cfg.export.uniform_inter,
+                "format": fmt,
+                "kept_per_layer": keep.per_layer,
+                "kept_per_visit": keep.per_visit,
+            },
             "parameters": {"before": params_before, "after": params_after},
             "seconds": dict(ctx.seconds),
             "artifact": str(run_dir / "model"),
             "config": resolved(cfg),
-        }  # fmt: skip
+        }
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
     _track(ctx, report, run_dir)
     print_summary(report, cfg.tracking)
@@ -115,20 +142,31 @@ def _jsonable(x):
 
 def _track(ctx, report: dict, run_dir: Path) -> None:
     ppl, ex = report["perplexity"], report["export"]
-    ctx.tracker.metrics({
-        "final/backbone_ppl": ppl["backbone"], "final/masked_ppl": ppl["masked"],
-        "final/overlaid_ppl": ppl["overlaid"], "final/exported_ppl": ppl["exported"],
-        "final/pruned_ratio": ex["pruned_ratio"], "final/phase_a_sparsity":
-        report["phase_a"]["sparsity"], "final/params_before": report["parameters"]["before"],
-        "final/params_after": report["parameters"]["after"], "export/revived": ex["revived"],
-    })  # fmt: skip
+    ctx.tracker.metrics(
+        {
+            "final/backbone_ppl": ppl["backbone"],
+            "final/masked_ppl": ppl["masked"],
+            "final/overlaid_ppl": ppl["overlaid"],
+            "final/exported_ppl": ppl["exported"],
+            "final/pruned_ratio": ex["pruned_ratio"],
+            "final/phase_a_sparsity": report["phase_a"]["sparsity"],
+            "final/params_before": report["parameters"]["before"],
+            "final/params_after": report["parameters"]["after"],
+            "export/revived": ex["revived"],
+        }
+    )
     for name in ("report.json", "masks.safetensors", "config.yaml"):
         ctx.tracker.artifact(run_dir / name)
     ctx.tracker.artifact(run_dir / "plots", "plots")
 
 
 def print_summary(report: dict, tcfg) -> None:
-    ppl, pa, ex, par = report["perplexity"], report["phase_a"], report["export"], report["parameters"]
+    ppl, pa, ex, par = (
+        report["perplexity"],
+        report["phase_a"],
+        report["export"],
+        report["parameters"],
+    )
     step = f"step {pa['selected_step']}" if pa["evaluation_made"] else "no evaluation"
     lines = [
         "",

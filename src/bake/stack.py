@@ -34,7 +34,7 @@ class Stack:
     """
 
     def __init__(self, lm, loops: int = 1, loop_norm: bool = True):
-        self.lm = lm
+        self.lm = lm.requires_grad_(False)  # the backbone is frozen: no weight gradients, ever
         core = lm.model
         self.embed = core.embed_tokens
         self.layers = list(core.layers)
@@ -62,8 +62,15 @@ class Stack:
         mlp = self.layers[layer].mlp
         return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
-    def _ffn(self, li: int, x: Tensor, gate: Tensor | None, ffn: FfnOverride | None,
-             observe: Observer | None, v: int) -> Tensor:  # fmt: skip
+    def _ffn(
+        self,
+        li: int,
+        x: Tensor,
+        gate: Tensor | None,
+        ffn: FfnOverride | None,
+        observe: Observer | None,
+        v: int,
+    ) -> Tensor:
         mlp = self.layers[li].mlp
         wg, wu, wd = ffn[li] if ffn is not None and li in ffn else self.ffn_weights(li)
         act = mlp.act_fn(F.linear(x, wg)) * F.linear(x, wu)

@@ -52,9 +52,11 @@ def open_tracker(cfg, record, hc) -> Tracker:
 
     overrides = list(hc.overrides.task)
     tags = {
-        "bake.model": cfg.model.name, "bake.corpus": cfg.corpus.name,
-        "bake.run_dir": record.run_dir, "bake.overrides": " ".join(overrides) or "(defaults)",
-    }  # fmt: skip
+        "bake.model": cfg.model.name,
+        "bake.corpus": cfg.corpus.name,
+        "bake.run_dir": record.run_dir,
+        "bake.overrides": " ".join(overrides) or "(defaults)",
+    }
     return start_run(cfg.tracking, run_name(cfg, overrides), tags, params_of(cfg), _parent_id(hc))
 
 
@@ -64,8 +66,9 @@ def record_failed_job(cfg, hc, error: str) -> None:
         return
     try:
         overrides = list(hc.overrides.task)
-        tracker = start_run(cfg.tracking, run_name(cfg, overrides), {"bake.error": error[:5000]},
-                            {}, _parent_id(hc))  # fmt: skip
+        tracker = start_run(
+            cfg.tracking, run_name(cfg, overrides), {"bake.error": error[:5000]}, {}, _parent_id(hc)
+        )
         tracker.end("FAILED")
     except Exception as exc:  # the sweep goes on regardless
         log.warning("could not record the failed job in MLflow: %s", exc)
@@ -91,9 +94,15 @@ class SweepCallback(Callback):
         exp = experiment_id(self._client, self._tcfg)
         sweep = " ".join(config.hydra.overrides.task) or "defaults"
         name = f"sweep {Path(str(config.model.name)).name} {sweep}"[:250]
-        run = self._client.create_run(exp, run_name=name, tags={
-            "mlflow.runName": name, "bake.sweep_dir": str(self._sweep_dir), "bake.sweep": sweep,
-        })  # fmt: skip
+        run = self._client.create_run(
+            exp,
+            run_name=name,
+            tags={
+                "mlflow.runName": name,
+                "bake.sweep_dir": str(self._sweep_dir),
+                "bake.sweep": sweep,
+            },
+        )
         self._parent = run.info.run_id
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
         (self._sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": self._parent}))
@@ -123,13 +132,16 @@ def summarise(client, parent: str, sweep_dir: Path) -> list[dict]:
     rows = []
     for r in runs:
         m = r.data.metrics
-        rows.append({
-            "run": r.data.tags.get("mlflow.runName", r.info.run_id), "status": r.info.status,
-            "pruned": m.get("final/pruned_ratio", math.nan),
-            "exported_ppl": m.get("final/exported_ppl", math.nan),
-            "masked_ppl": m.get("final/masked_ppl", math.nan),
-            "backbone_ppl": m.get("final/backbone_ppl", math.nan),
-        })  # fmt: skip
+        rows.append(
+            {
+                "run": r.data.tags.get("mlflow.runName", r.info.run_id),
+                "status": r.info.status,
+                "pruned": m.get("final/pruned_ratio", math.nan),
+                "exported_ppl": m.get("final/exported_ppl", math.nan),
+                "masked_ppl": m.get("final/masked_ppl", math.nan),
+                "backbone_ppl": m.get("final/backbone_ppl", math.nan),
+            }
+        )
     lines = [f"{'run':<48} {'status':<9} {'pruned%':>8} {'exported':>9} {'masked':>9}"]
     for row in rows:
         lines.append(

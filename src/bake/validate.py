@@ -25,11 +25,15 @@ def _ranges(cfg, problems: list[str]) -> None:
     a, b, c, e, t = cfg.phase_a, cfg.phase_b, cfg.corpus, cfg.export, cfg.trainer
     need(a.steps >= 1, "phase_a.steps", a.steps, "must be >= 1")
     need(a.eval_every >= 1, "phase_a.eval_every", a.eval_every, "must be >= 1")
-    need(0 < a.tau < 1, "phase_a.tau", a.tau, "must be in (0, 1): a gate is kept when sigma(m) > tau")
     need(
-        0 <= a.target_sparsity < 1, "phase_a.target_sparsity", a.target_sparsity,
+        0 < a.tau < 1, "phase_a.tau", a.tau, "must be in (0, 1): a gate is kept when sigma(m) > tau"
+    )
+    need(
+        0 <= a.target_sparsity < 1,
+        "phase_a.target_sparsity",
+        a.target_sparsity,
         "must be in [0, 1): a fraction of FFN neurons (0 = lowest held-out perplexity)",
-    )  # fmt: skip
+    )
     need(a.lr > 0, "phase_a.lr", a.lr, "must be > 0")
     for key in ("l1_init", "l1_step", "l1_mult"):
         value = a[key]
@@ -42,9 +46,11 @@ def _ranges(cfg, problems: list[str]) -> None:
     need(c.chunk_len >= 2, "corpus.chunk_len", c.chunk_len, "must be >= 2 (one prediction)")
     need(c.held_chunks >= 1, "corpus.held_chunks", c.held_chunks, "must be >= 1")
     need(
-        c.calib_chunks >= MIN_CALIB_CHUNKS, "corpus.calib_chunks", c.calib_chunks,
+        c.calib_chunks >= MIN_CALIB_CHUNKS,
+        "corpus.calib_chunks",
+        c.calib_chunks,
         f"must be >= {MIN_CALIB_CHUNKS}",
-    )  # fmt: skip
+    )
     need(c.chunks_per_doc >= 1, "corpus.chunks_per_doc", c.chunks_per_doc, "must be >= 1")
     need(t.devices >= 1, "trainer.devices", t.devices, "must be >= 1")
     need(t.num_nodes >= 1, "trainer.num_nodes", t.num_nodes, "must be >= 1")

@@ -26,9 +26,11 @@ def scores(stack: Stack, calib: Tensor, max_chunks: int | None = None) -> Tensor
     for i in range(chunks.shape[0]):
         stack.hidden(chunks[i : i + 1].to(stack.device), observe=observe)
     down_norm = torch.stack(
-        [stack.ffn_weights(v % stack.num_layers)[2].detach().double().norm(dim=0).cpu()
-         for v in range(stack.num_virtual)]
-    )  # fmt: skip
+        [
+            stack.ffn_weights(v % stack.num_layers)[2].detach().double().norm(dim=0).cpu()
+            for v in range(stack.num_virtual)
+        ]
+    )
     return (down_norm * sq.sqrt()).float()
 
 

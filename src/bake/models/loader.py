@@ -105,9 +105,12 @@ def _load_dir(directory: Path, where: str):
     if not any(directory.glob("*.safetensors")):
         raise BakeError(f"{where}: no *.safetensors weights in {directory}; bake reads no others")
     lm = AutoModelForCausalLM.from_pretrained(
-        directory, dtype=torch.float32, trust_remote_code=False, use_safetensors=True,
+        directory,
+        dtype=torch.float32,
+        trust_remote_code=False,
+        use_safetensors=True,
         attn_implementation="sdpa",
-    )  # fmt: skip
+    )
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     return _finish(lm), tokenizer
 
@@ -156,7 +159,9 @@ def model_key(mcfg) -> str:
         return f"{mcfg.name}-{_fingerprint(_file_id(gguf_path(mcfg)))}"
     directory = hf_dir(mcfg)
     files = sorted(directory.glob("*.safetensors"))
-    return f"{mcfg.name}-{_fingerprint(*(_file_id(f) for f in files), kind.value)}".replace("/", "_")
+    return f"{mcfg.name}-{_fingerprint(*(_file_id(f) for f in files), kind.value)}".replace(
+        "/", "_"
+    )
 
 
 def load_model(mcfg, cache_dir: Path) -> LoadedModel:
@@ -185,9 +190,14 @@ def load_model(mcfg, cache_dir: Path) -> LoadedModel:
     else:
         lm, tokenizer = _load_dir(hf_dir(mcfg), f"model.name_or_path={mcfg.name_or_path}")
     loaded = LoadedModel(
-        lm, tokenizer, Stack(lm, meta.loops, meta.loop_norm), meta, key,
-        time.perf_counter() - t0, converted,
-    )  # fmt: skip
+        lm,
+        tokenizer,
+        Stack(lm, meta.loops, meta.loop_norm),
+        meta,
+        key,
+        time.perf_counter() - t0,
+        converted,
+    )
     _LOADED.clear()  # one backbone at a time: a sweep over models must not pile them up
     _LOADED[memo] = loaded
     return loaded

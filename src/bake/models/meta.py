@@ -168,7 +168,19 @@ def _loop_norm(mcfg, checkpoint_default: bool) -> bool:
     return checkpoint_default if mcfg.loop_norm is None else bool(mcfg.loop_norm)
 
 
-_GGUF_SCALARS = {0: "B", 1: "b", 2: "H", 3: "h", 4: "I", 5: "i", 6: "f", 7: "?", 10: "Q", 11: "q", 12: "d"}
+_GGUF_SCALARS = {
+    0: "B",
+    1: "b",
+    2: "H",
+    3: "h",
+    4: "I",
+    5: "i",
+    6: "f",
+    7: "?",
+    10: "Q",
+    11: "q",
+    12: "d",
+}
 
 
 def gguf_header(path: Path) -> dict:
@@ -264,9 +276,14 @@ def read_meta(mcfg) -> ModelMeta:
         t = mcfg.tiny
         loops = mcfg.loops or 1
         return ModelMeta(
-            t.layers, t.intermediate_size, t.max_positions, loops, _loop_norm(mcfg, True),
-            "llama", "built in code",
-        )  # fmt: skip
+            t.layers,
+            t.intermediate_size,
+            t.max_positions,
+            loops,
+            _loop_norm(mcfg, True),
+            "llama",
+            "built in code",
+        )
     if kind == ModelKind.gguf:
         return _gguf_meta(mcfg, gguf_path(mcfg))
     directory = hf_dir(mcfg)

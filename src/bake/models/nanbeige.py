@@ -19,9 +19,14 @@ from bake.errors import BakeError
 
 # Options of the Nanbeige config class that bake's Llama-compatible stack does not implement.
 _UNSUPPORTED = (
-    "qk_layernorm", "use_ngram", "hyper_connections", "use_mhc", "loop_split",
-    "loop_share_kv", "depth_attention",
-)  # fmt: skip
+    "qk_layernorm",
+    "use_ngram",
+    "hyper_connections",
+    "use_mhc",
+    "loop_split",
+    "loop_share_kv",
+    "depth_attention",
+)
 
 
 def num_loops(cfg: dict) -> int:

@@ -108,37 +108,55 @@ def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter (accelerator lines, tips) out of the bake's log."""
     import warnings
 
-    for name in ("lightning.pytorch.utilities.rank_zero", "lightning.fabric.utilities.rank_zero",
-                 "lightning.pytorch.accelerators.cuda"):  # fmt: skip
+    for name in (
+        "lightning.pytorch.utilities.rank_zero",
+        "lightning.fabric.utilities.rank_zero",
+        "lightning.pytorch.accelerators.cuda",
+    ):
         logging.getLogger(name).setLevel(logging.WARNING)
     warnings.filterwarnings("ignore", message=".*LeafSpec.*")
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
-def make_trainer(tcfg, phase_dir: Path, steps: int, eval_every: int, monitor: str,
-                 extra_callbacks: list | None = None):  # fmt: skip
+def make_trainer(
+    tcfg,
+    phase_dir: Path,
+    steps: int,
+    eval_every: int,
+    monitor: str,
+    extra_callbacks: list | None = None,
+):
     """A Trainer for one phase: max ``steps``, held-out evaluation every ``eval_every`` steps,
     ``best.ckpt`` on the lowest ``monitor`` (strictly lower replaces) and ``last.ckpt`` at
     every evaluation, for resume. No sanity-check evaluation, no Lightning logger: bake logs
     to MLflow itself, against the global step."""
     import lightning as L
+    from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from omegaconf import OmegaConf
-
-    from hydra.utils import instantiate
 
     quiet_lightning()
     evaluates = steps >= eval_every
     callbacks = [
         ModelCheckpoint(
-            dirpath=phase_dir, filename="best", monitor=monitor, mode="min", save_top_k=1,
-            save_last=False, auto_insert_metric_name=False, enable_version_counter=False,
+            dirpath=phase_dir,
+            filename="best",
+            monitor=monitor,
+            mode="min",
+            save_top_k=1,
+            save_last=False,
+            auto_insert_metric_name=False,
+            enable_version_counter=False,
         ),
         ModelCheckpoint(
-            dirpath=phase_dir, monitor=None, save_top_k=0, save_last=True,
-            save_on_train_epoch_end=False, enable_version_counter=False,
+            dirpath=phase_dir,
+            monitor=None,
+            save_top_k=0,
+            save_last=True,
+            save_on_train_epoch_end=False,
+            enable_version_counter=False,
         ),
-    ]  # fmt: skip
+    ]
     if tcfg.progress_bar:
         callbacks.append(TQDMProgressBar(refresh_rate=1))
     for spec in tcfg.callbacks:

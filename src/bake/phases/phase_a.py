@@ -21,8 +21,13 @@ from torch import Tensor, nn
 from bake import masks
 from bake.errors import TrainingDiverged
 from bake.phases.common import (
-    Identity, OnEvaluation, StepTimer, calib_chunk, held_loader, step_loader,
-)  # fmt: skip
+    Identity,
+    OnEvaluation,
+    StepTimer,
+    calib_chunk,
+    held_loader,
+    step_loader,
+)
 from bake.stack import Stack, autocast_for, perplexity
 
 log = logging.getLogger("bake.phase_a")
@@ -47,10 +52,18 @@ class PhaseASettings:
     @classmethod
     def from_config(cls, a, eval_batch_size: int) -> PhaseASettings:
         return cls(
-            a.steps, a.l1_init, a.l1_step, a.l1_mult, a.lr, a.eval_every, a.tau,
-            a.target_sparsity, str(a.gate) in ("straight_through", "Gate.straight_through"),
-            str(getattr(a.eval_precision, "value", a.eval_precision)), eval_batch_size,
-        )  # fmt: skip
+            a.steps,
+            a.l1_init,
+            a.l1_step,
+            a.l1_mult,
+            a.lr,
+            a.eval_every,
+            a.tau,
+            a.target_sparsity,
+            str(a.gate) in ("straight_through", "Gate.straight_through"),
+            str(getattr(a.eval_precision, "value", a.eval_precision)),
+            eval_batch_size,
+        )
 
 
 @dataclass
@@ -130,8 +143,9 @@ class PhaseA(L.LightningModule):
         self.log("ce", ce.detach(), prog_bar=True, logger=False)
         return loss
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
-                                    gradient_clip_algorithm=None) -> None:  # fmt: skip
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
         masks.clip_global_norm([self.logits], 1.0)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
@@ -171,7 +185,8 @@ class PhaseA(L.LightningModule):
         ev = Evaluation(self.global_step, self.l1, sp, ppl, len(closed), score, closed)
         self.evaluations.append(ev)
         self.eval_logits.append(self.logits.detach().cpu().clone())
-        self.log("phase_a/select", score, logger=False)
+        # float64: ModelCheckpoint must resolve BIG - sparsity to a single neuron
+        self.log("phase_a/select", torch.tensor(score, dtype=torch.float64), logger=False)
         self.log("pruned%", 100 * sp, prog_bar=True, logger=False)
         self.log("held_ppl", ppl, prog_bar=True, logger=False)
         self._report(ev)
@@ -183,23 +198,33 @@ class PhaseA(L.LightningModule):
         log.info(
             "[A] step %d: L1=%.3f pruned=%.2f%% hard-PPL=%.3f (best %s) "
             "[fwd+bwd %.3fs, adam %.4fs per step]",
-            ev.step, ev.l1, 100 * ev.sparsity, ev.held_ppl, best_txt, fb, opt,
-        )  # fmt: skip
+            ev.step,
+            ev.l1,
+            100 * ev.sparsity,
+            ev.held_ppl,
+            best_txt,
+            fb,
+            opt,
+        )
         if ev.closed_names:
             more = " ..." if len(ev.closed_names) > 32 else ""
             log.info(
                 "    closed since last eval: %d: %s%s",
-                len(ev.closed_names), " ".join(ev.closed_names[:32]), more,
-            )  # fmt: skip
+                len(ev.closed_names),
+                " ".join(ev.closed_names[:32]),
+                more,
+            )
         if self.on_evaluation is not None and self.trainer.is_global_zero:
             self.on_evaluation({**ev.as_dict(), "sec_fwd_bwd": fb, "sec_opt": opt})
 
     def best_so_far(self) -> Evaluation | None:
-        i = masks.select([(e.held_ppl, e.sparsity) for e in self.evaluations],
-                         self.s.target_sparsity)  # fmt: skip
-        if i is None or masks.fell_back(self.evaluations[i].held_ppl,
-                                        self.evaluations[i].sparsity, self.s.target_sparsity):
-            return None  # fmt: skip
+        i = masks.select(
+            [(e.held_ppl, e.sparsity) for e in self.evaluations], self.s.target_sparsity
+        )
+        if i is None or masks.fell_back(
+            self.evaluations[i].held_ppl, self.evaluations[i].sparsity, self.s.target_sparsity
+        ):
+            return None
         return self.evaluations[i]
 
     # -- checkpoints: trainable state + what an exact resumption needs -------------------------

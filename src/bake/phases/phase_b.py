@@ -19,8 +19,13 @@ from torch import Tensor, nn
 from bake import masks
 from bake.errors import BakeError, TrainingDiverged
 from bake.phases.common import (
-    Identity, OnEvaluation, StepTimer, calib_chunk, held_loader, step_loader,
-)  # fmt: skip
+    Identity,
+    OnEvaluation,
+    StepTimer,
+    calib_chunk,
+    held_loader,
+    step_loader,
+)
 from bake.stack import Stack, autocast_for, perplexity
 
 log = logging.getLogger("bake.phase_b")
@@ -101,7 +106,9 @@ class PhaseB(L.LightningModule):
     def training_step(self, batch, batch_idx):
         step = self.global_step
         world = self.trainer.world_size if self._trainer is not None else 1
-        loss = self.model_step(calib_chunk(self.calib, step, self.global_rank, world).to(self.device))
+        loss = self.model_step(
+            calib_chunk(self.calib, step, self.global_rank, world).to(self.device)
+        )
         if not torch.isfinite(loss):
             raise TrainingDiverged(
                 f"phase B: the loss became {float(loss)} at step {step}; the checkpoints so far "
@@ -111,8 +118,9 @@ class PhaseB(L.LightningModule):
         self.log("ce", loss.detach(), prog_bar=True, logger=False)
         return loss
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None,
-                                    gradient_clip_algorithm=None) -> None:  # fmt: skip
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
         masks.clip_global_norm(list(self.ffn), 1.0)
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
@@ -147,8 +155,12 @@ class PhaseB(L.LightningModule):
         fb, opt = self.timer.means()
         log.info(
             "[B] step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, adam %.4fs per step]",
-            ev["step"], ppl, best, fb, opt,
-        )  # fmt: skip
+            ev["step"],
+            ppl,
+            best,
+            fb,
+            opt,
+        )
         if self.on_evaluation is not None and self.trainer.is_global_zero:
             self.on_evaluation({**ev, "sec_fwd_bwd": fb, "sec_opt": opt})
 

@@ -66,8 +66,7 @@ class PhaseAResult:
         else:
             note = (
                 f"selected step {ev['step']}: {100 * ev['sparsity']:.2f}% pruned, held-PPL "
-                f"{ev['held_ppl']:.3f}"
-                + (f" (target {100 * target:.1f}%)" if target > 0 else "")
+                f"{ev['held_ppl']:.3f}" + (f" (target {100 * target:.1f}%)" if target > 0 else "")
             )
         return Selection(self.eval_logits[i].clone(), i, ev, fb, note)
 
@@ -97,16 +96,22 @@ class PhaseAResult:
             info = json.loads(fh.metadata()["info"])
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
         return cls(
-            info["evaluations"], tensors.get("eval_logits"), tensors["final_logits"],
-            info["seconds"], info["sec_fwd_bwd"], info["sec_opt"], cached=True,
-        )  # fmt: skip
+            info["evaluations"],
+            tensors.get("eval_logits"),
+            tensors["final_logits"],
+            info["seconds"],
+            info["sec_fwd_bwd"],
+            info["sec_opt"],
+            cached=True,
+        )
 
     @classmethod
     def from_module(cls, module, seconds: float) -> PhaseAResult:
         fb, opt = module.timer.means()
         logits = torch.stack(module.eval_logits) if module.eval_logits else None
-        evaluations = [{**e.as_dict(), "closed_names": e.closed_names[:32]}
-                       for e in module.evaluations]  # fmt: skip
+        evaluations = [
+            {**e.as_dict(), "closed_names": e.closed_names[:32]} for e in module.evaluations
+        ]
         for e in evaluations:
             e.pop("score", None)  # depends on the target: recomputed at selection
         return cls(evaluations, logits, module.logits.detach().cpu().clone(), seconds, fb, opt)

@@ -1,0 +1,217 @@
+"""Phase A: the recipe's gradient, per-visit rows, the L1 timing, selection, checkpoints."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from omegaconf import OmegaConf
+
+from bake import masks
+from bake.config import TinyConf
+from bake.models.tiny import build_tiny
+from bake.phases.common import Identity, make_trainer
+from bake.phases.phase_a import PhaseA, PhaseASettings
+from bake.stack import Stack
+
+
+def tiny(loops=1, hidden=32, dtype=torch.float64):
+    lm, _ = build_tiny(
+        TinyConf(
+            layers=3,
+            hidden_size=hidden,
+            intermediate_size=128,
+            heads=4,
+            kv_heads=2,
+            max_positions=64,
+        )
+    )
+    lm = lm.to(dtype)
+    if dtype == torch.float64:  # transformers' RMSNorm computes in fp32; keep fp64 throughout
+        for module in lm.modules():
+            if type(module).__name__ == "LlamaRMSNorm":
+                module.forward = _rms64(module)
+    return Stack(lm, loops, True)
+
+
+def _rms64(norm):
+    def forward(x):
+        return (
+            norm.weight * x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+        )
+
+    return forward
+
+
+class AttentionTape:
+    """Records every attention output of a forward, then replays them (held constant)."""
+
+    def __init__(self, stack):
+        self.stack, self.outputs, self.replay = stack, [], None
+        for layer in stack.layers:
+            layer.self_attn.forward = self._wrap(layer.self_attn.forward)
+
+    def _wrap(self, forward):
+        def call(*args, **kwargs):
+            if self.replay is not None:
+                return self.replay.pop(0), None
+            out = forward(*args, **kwargs)
+            self.outputs.append(out[0].detach().clone())
+            return out
+
+        return call
+
+
+def frozen_attention_loss(stack, tape, ids, logits):
+    tape.replay = list(tape.outputs)
+    with torch.no_grad():
+        return float(stack.loss(ids, torch.sigmoid(logits)))
+
+
+def test_mask_gradient_matches_finite_differences_with_attention_held():
+    stack = tiny()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(0))
+    m = (
+        torch.randn(3, 128, generator=torch.Generator().manual_seed(1), dtype=torch.float64) + 2.0
+    ).requires_grad_()
+    tape = AttentionTape(stack)
+    stack.loss(ids, torch.sigmoid(m)).backward()
+    eps = 1e-5
+    for row, col in [(0, 3), (0, 77), (1, 10), (2, 5), (2, 127)]:
+        plus, minus = m.detach().clone(), m.detach().clone()
+        plus[row, col] += eps
+        minus[row, col] -= eps
+        fd = (
+            frozen_attention_loss(stack, tape, ids, plus)
+            - frozen_attention_loss(stack, tape, ids, minus)
+        ) / (2 * eps)
+        assert m.grad[row, col].item() == pytest.approx(fd, rel=1e-5, abs=1e-10)
+
+
+def full_gradient(stack, ids, m):
+    """The gradient with attention IN the graph (what the recipe deliberately does not use)."""
+    from test_models import unrolled
+
+    m = m.detach().clone().requires_grad_()
+    logits = unrolled(stack.lm, ids, stack.loops, stack.loop_norm, torch.sigmoid(m))
+    torch.nn.functional.cross_entropy(logits[0, :-1], ids[0, 1:]).backward()
+    return m.grad
+
+
+def test_last_layer_gradient_is_exact_and_no_gradient_reaches_attention():
+    stack = tiny()
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(2))
+    m = torch.full((3, 128), 2.0, dtype=torch.float64, requires_grad=True)
+    for layer in stack.layers:
+        layer.self_attn.q_proj.weight.requires_grad_(True)
+    stack.loss(ids, torch.sigmoid(m)).backward()
+    assert all(layer.self_attn.q_proj.weight.grad is None for layer in stack.layers)
+    for layer in stack.layers:
+        layer.self_attn.q_proj.weight.requires_grad_(False)
+    full = full_gradient(stack, ids, m)
+    torch.testing.assert_close(m.grad[2], full[2], rtol=1e-9, atol=1e-12)
+    assert (m.grad[0] - full[0]).abs().max() > 1e-8  # earlier rows: attention matters
+
+
+def test_looped_rows_are_per_visit_with_their_own_gradients():
+    stack = tiny(loops=2)
+    assert stack.num_virtual == 6
+    ids = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(3))
+    m = torch.full((6, 128), masks.mask_init_logit(2), dtype=torch.float64, requires_grad=True)
+    stack.loss(ids, torch.sigmoid(m)).backward()
+    for li in range(3):
+        first, second = m.grad[li], m.grad[3 + li]
+        assert first.abs().sum() > 0 and second.abs().sum() > 0
+        assert not torch.allclose(first, second)  # each visit its own gradient
+
+
+def settings(**kw):
+    base = dict(
+        steps=6,
+        l1_init=0.01,
+        l1_step=0.005,
+        l1_mult=2.0,
+        lr=0.1,
+        eval_every=2,
+        tau=0.5,
+        target_sparsity=0.0,
+        eval_batch_size=4,
+    )
+    base.update(kw)
+    return PhaseASettings(**base)
+
+
+def tcfg():
+    return OmegaConf.create(
+        {
+            "accelerator": "cpu",
+            "devices": 1,
+            "num_nodes": 1,
+            "strategy": "auto",
+            "progress_bar": False,
+            "eval_batch_size": 4,
+            "callbacks": [],
+        }
+    )
+
+
+def fit_phase_a(tmp_path, stack=None, **kw):
+    stack = stack or tiny(dtype=torch.float32)
+    s = settings(**kw)
+    g = torch.Generator().manual_seed(5)
+    calib, held = (
+        torch.randint(0, 256, (12, 16), generator=g),
+        torch.randint(0, 256, (4, 16), generator=g),
+    )
+    init = torch.full((stack.num_virtual, stack.inter), masks.mask_init_logit(stack.loops))
+    module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
+    seen = []
+    module.training_step = _spy(module.training_step, module, seen)
+    trainer = make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select")
+    trainer.fit(module)
+    return module, seen
+
+
+def _spy(step_fn, module, seen):
+    def wrapped(batch, batch_idx):
+        seen.append((module.global_step, module.l1))
+        return step_fn(batch, batch_idx)
+
+    return wrapped
+
+
+def test_l1_grows_after_the_update_of_each_evaluation_step(tmp_path):
+    module, seen = fit_phase_a(tmp_path)
+    l1 = [masks.l1_weight(0.01, 0.005, 2.0, k) for k in range(4)]
+    assert [round(x, 9) for _, x in seen] == [
+        round(v, 9) for v in [l1[0], l1[0], l1[1], l1[1], l1[2], l1[2]]
+    ]
+    assert [e.step for e in module.evaluations] == [2, 4, 6]
+    assert [round(e.l1, 9) for e in module.evaluations] == [round(v, 9) for v in l1[1:]]
+
+
+def test_no_evaluation_when_steps_below_eval_every(tmp_path):
+    module, seen = fit_phase_a(tmp_path, steps=3, eval_every=5)
+    assert len(seen) == 3 and module.evaluations == []
+
+
+def test_checkpoint_size_does_not_grow_with_the_backbone(tmp_path):
+    small, _ = fit_phase_a(tmp_path / "s", stack=tiny(hidden=32, dtype=torch.float32))
+    big_stack = tiny(hidden=256, dtype=torch.float32)
+    fit_phase_a(tmp_path / "b", stack=big_stack)
+    s_size = (tmp_path / "s" / "ckpt" / "last.ckpt").stat().st_size
+    b_size = (tmp_path / "b" / "ckpt" / "last.ckpt").stat().st_size
+    backbone = sum(p.numel() * 4 for p in big_stack.lm.parameters())
+    assert abs(b_size - s_size) < 0.05 * s_size
+    assert b_size < backbone / 5
+    ckpt = torch.load(tmp_path / "b" / "ckpt" / "last.ckpt", weights_only=True)
+    assert set(ckpt["state_dict"]) == {"logits"}
+    assert ckpt["bake"]["identity"] == {"model_key": "tiny", "config_hash": "h"}
+    assert ckpt["bake"]["eval_logits"].shape == (3, 3, 128)
+
+
+def test_best_checkpoint_is_the_selected_evaluation(tmp_path):
+    module, _ = fit_phase_a(tmp_path, steps=8, eval_every=2, l1_mult=30.0, target_sparsity=0.05)
+    pairs = [(e.held_ppl, e.sparsity) for e in module.evaluations]
+    i = masks.select(pairs, 0.05)
+    best = torch.load(tmp_path / "ckpt" / "best.ckpt", weights_only=True)["state_dict"]["logits"]
+    assert torch.equal(best, module.eval_logits[i])
