@@ -104,3 +104,39 @@ def subprocess_env() -> dict:
 
 
 PYTHON = sys.executable
+
+
+class InterruptAt:
+    """A Lightning callback that presses Ctrl-C once a phase reaches a global step (for tests,
+    given as ``+trainer.callbacks=[{_target_: conftest.InterruptAt, ...}]``)."""
+
+    def __new__(cls, phase: str, step: int):
+        from lightning.pytorch.callbacks import Callback
+
+        class _Interrupt(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if type(pl_module).__name__ == f"Phase{phase.upper()}" and (
+                    trainer.global_step == step
+                ):
+                    raise KeyboardInterrupt
+
+        return _Interrupt()
+
+
+def interrupt(phase: str, step: int) -> str:
+    return f"trainer.callbacks=[{{_target_:conftest.InterruptAt,phase:{phase},step:{step}}}]"
+
+
+class PoisonAt:
+    """A Lightning callback that makes Phase A's loss NaN after a global step (for tests)."""
+
+    def __new__(cls, step: int):
+        from lightning.pytorch.callbacks import Callback
+
+        class _Poison(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if type(pl_module).__name__ == "PhaseA" and trainer.global_step == step:
+                    with __import__("torch").no_grad():
+                        pl_module.logits[0, 0] = float("nan")
+
+        return _Poison()

@@ -11,6 +11,7 @@ import time
 from pathlib import Path
 
 from bake import export, masks
+from bake.errors import BakeError
 from bake.fsutil import staged
 from bake.phases.common import rank_zero
 from bake.stack import Stack, held_nll, perplexity
@@ -54,10 +55,6 @@ def _plots(stage: Path, result, selection, b_info, backbone, masked, keep, inter
 
 def finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, t_start) -> float:
     """Export, report, summary; returns the exported held-out perplexity."""
-    from omegaconf import OmegaConf
-
-    from bake.runstate import resolved
-
     cfg, stack = ctx.cfg, ctx.model.stack
     if not rank_zero():
         return overlaid  # other DDP ranks: the artifact is rank zero's
@@ -72,6 +69,54 @@ def finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, 
     ffn = export.final_ffn(stack, keep, trained)
     params_before = sum(p.numel() for p in stack.lm.parameters())
     run_dir = ctx.run_dir
+    try:
+        report = _write_artifact(
+            ctx,
+            run_dir,
+            keep,
+            ffn,
+            result,
+            selection,
+            b_info,
+            backbone,
+            masked,
+            overlaid,
+            params_before,
+            t0,
+            t_start,
+        )
+    except OSError as exc:
+        raise BakeError(
+            f"export: writing the artifact into {run_dir} failed ({exc}); nothing half-written "
+            f"was left there: fix the cause and continue with resume={run_dir}"
+        ) from exc
+    _track(ctx, report, run_dir)
+    print_summary(report, cfg.tracking)
+    return report["perplexity"]["exported"]
+
+
+def _write_artifact(
+    ctx,
+    run_dir,
+    keep,
+    ffn,
+    result,
+    selection,
+    b_info,
+    backbone,
+    masked,
+    overlaid,
+    params_before,
+    t0,
+    t_start,
+) -> dict:
+    """masks.safetensors, model/, config.yaml, plots/ and report.json, renamed into place
+    together (report.json last) from a staging directory."""
+    from omegaconf import OmegaConf
+
+    from bake.runstate import resolved
+
+    cfg, stack = ctx.cfg, ctx.model.stack
     with staged(run_dir, last="report.json") as stage:
         export.write_masks(stage / "masks.safetensors", keep, selection.logits)
         fmt = export.write_model(stage / "model", stack, ctx.model.tokenizer, keep, ffn)
@@ -129,9 +174,7 @@ def finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, 
             "config": resolved(cfg),
         }
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
-    _track(ctx, report, run_dir)
-    print_summary(report, cfg.tracking)
-    return exported
+    return report
 
 
 def _jsonable(x):

@@ -5,6 +5,8 @@ and turning Lightning's shutdown on Ctrl-C back into an interrupt bake can mark.
 from __future__ import annotations
 
 import logging
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -118,6 +120,34 @@ def quiet_lightning() -> None:
     warnings.filterwarnings("ignore", message=".*does not have many workers.*")
 
 
+def _phase_bar(base, name: str):
+    """Lightning's bar, titled by the phase instead of "Epoch 0"."""
+
+    class PhaseBar(base):
+        def on_train_epoch_start(self, trainer, *args) -> None:
+            super().on_train_epoch_start(trainer, *args)
+            self.train_progress_bar.set_description(name)
+
+    return PhaseBar(refresh_rate=1)
+
+
+def _atomic(base):
+    """ModelCheckpoint whose files are never half-written: a temporary file, then a rename
+    (a kill during the save leaves the previous checkpoint intact)."""
+
+    class AtomicCheckpoint(base):
+        def _save_checkpoint(self, trainer, filepath: str) -> None:
+            tmp = f"{filepath}.tmp"
+            trainer.save_checkpoint(tmp, self.save_weights_only)
+            if trainer.is_global_zero:
+                os.replace(tmp, filepath)
+            trainer.strategy.barrier("bake_checkpoint")
+            self._last_global_step_saved = trainer.global_step
+            self._last_checkpoint_saved = filepath
+
+    return AtomicCheckpoint
+
+
 def make_trainer(
     tcfg,
     phase_dir: Path,
@@ -137,28 +167,29 @@ def make_trainer(
 
     quiet_lightning()
     evaluates = steps >= eval_every
+    checkpoint = _atomic(ModelCheckpoint)
     callbacks = [
-        ModelCheckpoint(
+        checkpoint(  # the selected evaluation: strictly lower replaces
             dirpath=phase_dir,
             filename="best",
             monitor=monitor,
             mode="min",
             save_top_k=1,
-            save_last=False,
             auto_insert_metric_name=False,
             enable_version_counter=False,
         ),
-        ModelCheckpoint(
+        checkpoint(  # the latest evaluation, for resume
             dirpath=phase_dir,
+            filename="last",
             monitor=None,
-            save_top_k=0,
-            save_last=True,
+            save_top_k=1,
             save_on_train_epoch_end=False,
             enable_version_counter=False,
         ),
     ]
-    if tcfg.progress_bar:
-        callbacks.append(TQDMProgressBar(refresh_rate=1))
+    show_bar = bool(tcfg.progress_bar) and sys.stderr.isatty()
+    if show_bar:
+        callbacks.append(_phase_bar(TQDMProgressBar, phase_dir.name.replace("_", " ")))
     for spec in tcfg.callbacks:
         callbacks.append(instantiate(OmegaConf.create(spec) if isinstance(spec, dict) else spec))
     callbacks += extra_callbacks or []
@@ -175,7 +206,7 @@ def make_trainer(
         num_sanity_val_steps=0,
         logger=False,
         callbacks=callbacks,
-        enable_progress_bar=tcfg.progress_bar,
+        enable_progress_bar=show_bar,
         enable_model_summary=False,
         precision="32-true",
         default_root_dir=str(phase_dir),
@@ -186,6 +217,9 @@ def make_trainer(
 def fit(trainer, module, ckpt: Path | None) -> None:
     """``trainer.fit`` that re-raises Ctrl-C as KeyboardInterrupt (Lightning turns it into
     SystemExit(1) after a graceful shutdown) and lets every other error through."""
+    if ckpt is not None:
+        step = torch.load(ckpt, map_location="cpu", weights_only=True).get("global_step")
+        log.info("%s: resuming from %s (step %s)", ckpt.parent.name.replace("_", " "), ckpt, step)
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
     except SystemExit:

@@ -1,0 +1,186 @@
+"""MLflow against a real SQLite store, Phase A reuse, resume after a kill, the sweep."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+
+import pytest
+import torch
+from conftest import (
+    PYTHON,
+    REPO,
+    interrupt,
+    last_run,
+    report,
+    run_bake,
+    subprocess_env,
+    tiny_args,
+)
+from safetensors.torch import load_file
+
+from bake import masks
+
+
+def client(outputs):
+    from mlflow import MlflowClient
+
+    return MlflowClient(tracking_uri=f"sqlite:///{outputs}/mlflow.db")
+
+
+def runs(outputs):
+    c = client(outputs)
+    exp = c.get_experiment_by_name("bake")
+    return c, exp, c.search_runs([exp.experiment_id], order_by=["start_time ASC"])
+
+
+def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, monkeypatch):
+    monkeypatch.chdir(tmp_path)  # nothing may land in ./mlruns
+    assert run_bake(tiny_args(tmp_path / "out", docs_dir, "phase_a.target_sparsity=0.1")) == 0
+    c, exp, found = runs(tmp_path / "out")
+    assert len(found) == 1
+    run = found[0]
+    assert run.info.status == "FINISHED"
+    assert run.data.tags["mlflow.runName"] == "tiny glob=" + f"{docs_dir}/*.py".split("=")[-1] + (
+        " chunk_len=32 held_chunks=6 calib_chunks=24 steps=24 eval_every=8 lr=0.4 l1_mult=20"
+        " steps=8 eval_every=4 layers=2 eval_batch_size=4 target_sparsity=0.1"
+    ) or run.data.tags["mlflow.runName"].startswith("tiny ")
+    assert run.data.tags["bake.model"] == "tiny" and run.data.tags["bake.corpus"] == "text_files"
+    assert "mlflow.source.git.commit" in run.data.tags
+    hist = c.get_metric_history(run.info.run_id, "phase_a/held_ppl")
+    assert [m.step for m in hist] == [8, 16, 24]
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "phase_a/sparsity")] == [
+        8,
+        16,
+        24,
+    ]
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "phase_a/l1")] == [8, 16, 24]
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "phase_b/held_ppl")] == [4, 8]
+    metrics = run.data.metrics
+    for key in (
+        "final/backbone_ppl",
+        "final/masked_ppl",
+        "final/overlaid_ppl",
+        "final/exported_ppl",
+        "final/pruned_ratio",
+        "phase_a/closed",
+        "phase_a/sec_fwd_bwd",
+    ):
+        assert key in metrics, key
+    rep = report(last_run(tmp_path / "out"))
+    assert metrics["final/exported_ppl"] == pytest.approx(rep["perplexity"]["exported"])
+    params = run.data.params
+    assert params["phase_a.target_sparsity"] == "0.1" and params["model.name"] == "tiny"
+    assert "resume" not in params and "phase_b.layers" in params
+    names = {a.path for a in c.list_artifacts(run.info.run_id)}
+    assert {"report.json", "masks.safetensors", "config.yaml", "plots"} <= names
+    plots = {a.path for a in c.list_artifacts(run.info.run_id, "plots")}
+    assert {"plots/phase_a.png", "plots/phase_b.png", "plots/kept_per_layer.png"} <= plots
+    assert run.info.artifact_uri.startswith((tmp_path / "out" / "mlartifacts").as_uri())
+    assert not (tmp_path / "mlruns").exists()
+
+
+def test_phase_a_is_trained_once_across_target_sparsities(tmp_path, docs_dir):
+    assert run_bake(tiny_args(tmp_path, docs_dir, "phase_a.target_sparsity=0.1")) == 0
+    first = report(last_run(tmp_path))
+    assert "reusing the cached result" not in (last_run(tmp_path) / "bake.log").read_text()
+    assert run_bake(tiny_args(tmp_path, docs_dir, "phase_a.target_sparsity=0.4")) == 0
+    second = report(last_run(tmp_path))
+    assert "reusing the cached result" in (last_run(tmp_path) / "bake.log").read_text()
+    assert not first["phase_a"]["cached"] and second["phase_a"]["cached"]
+    assert first["phase_a"]["evaluations"] == second["phase_a"]["evaluations"]
+    evals = [(e["held_ppl"], e["sparsity"]) for e in first["phase_a"]["evaluations"]]
+    for rep, target in ((first, 0.1), (second, 0.4)):
+        i = masks.select(evals, target)
+        assert rep["phase_a"]["selected_step"] == first["phase_a"]["evaluations"][i]["step"]
+        assert rep["phase_a"]["fell_back"] == masks.fell_back(*evals[i], target)
+
+
+@pytest.mark.parametrize("phase, step", [("a", 12), ("b", 6)])
+def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, docs_dir, phase, step):
+    args = tiny_args(tmp_path / "a", docs_dir, "phase_a.target_sparsity=0.1")
+    assert run_bake([*args, interrupt(phase, step)]) == 130
+    run = last_run(tmp_path / "a")
+    record = json.loads((run / "bake_run.json").read_text())
+    assert record["status"] == "KILLED" and not (run / "report.json").exists()
+    c = client(tmp_path / "a")
+    assert c.get_run(record["mlflow_run_id"]).info.status == "KILLED"
+    assert run_bake([*args, f"resume={run}"]) == 0
+    resumed_at = {"a": "phase a: resuming from", "b": "phase b: resuming from"}[phase]
+    assert resumed_at in (run / "bake.log").read_text()
+    assert c.get_run(record["mlflow_run_id"]).info.status == "FINISHED"
+    assert c.get_run(record["mlflow_run_id"]).data.tags["bake.resumed"] == "1"
+    assert len(list((tmp_path / "a" / "runs").glob("*/*"))) == 1  # resumed in place
+
+    ref_args = tiny_args(tmp_path / "b", docs_dir, "phase_a.target_sparsity=0.1")
+    assert run_bake(ref_args) == 0
+    ref = last_run(tmp_path / "b")
+    got, want = load_file(run / "masks.safetensors"), load_file(ref / "masks.safetensors")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+    assert report(run)["perplexity"] == report(ref)["perplexity"]
+    assert report(run)["phase_a"]["evaluations"] == report(ref)["phase_a"]["evaluations"]
+
+
+def test_resume_refuses_other_settings_naming_them(tmp_path, docs_dir, capsys):
+    args = tiny_args(tmp_path, docs_dir)
+    assert run_bake([*args, interrupt("a", 4)]) == 130
+    run = last_run(tmp_path)
+    assert run_bake([*args, "phase_a.lr=0.2", f"resume={run}"]) == 1
+    err = capsys.readouterr().err
+    assert "phase_a.lr: 0.4 -> 0.2" in err and "same overrides" in err
+
+
+def test_a_new_run_never_overwrites_an_existing_one(tmp_path, docs_dir, capsys):
+    args = tiny_args(tmp_path, docs_dir, "tracking.enabled=false")
+    assert run_bake(args) == 0
+    run = last_run(tmp_path)
+    before = (run / "report.json").read_text()
+    assert run_bake([*args, f"hydra.run.dir={run}"]) == 1
+    assert "already holds a bake" in capsys.readouterr().err
+    assert (run / "report.json").read_text() == before
+
+
+def test_sweep_has_a_parent_children_and_a_summary_even_with_a_failure(tmp_path, docs_dir):
+    out = tmp_path / "out"
+    args = [a for a in tiny_args(out, docs_dir) if not a.startswith("corpus.held_chunks")]
+    proc = subprocess.run(
+        [PYTHON, "-m", "bake", "-m", *args, "corpus.held_chunks=6,79"],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    c, exp, found = runs(out)
+    parents = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
+    children = [r for r in found if "mlflow.parentRunId" in r.data.tags]
+    assert len(parents) == 1 and len(children) == 2
+    parent = parents[0]
+    assert {r.data.tags["mlflow.parentRunId"] for r in children} == {parent.info.run_id}
+    assert sorted(r.info.status for r in children) == ["FAILED", "FINISHED"]
+    failed = next(r for r in children if r.info.status == "FAILED")
+    assert "calibration chunks" in failed.data.tags["bake.error"]
+    ok = next(r for r in children if r.info.status == "FINISHED")
+    assert len(c.get_metric_history(ok.info.run_id, "phase_a/held_ppl")) == 3
+    arts = {a.path for a in c.list_artifacts(parent.info.run_id)}
+    assert {"summary.txt", "sweep_ppl_vs_sparsity.png"} <= arts
+    assert "sweep summary (2 jobs)" in proc.stdout
+    assert list((out / "multirun").glob("*/*/0")) and not (tmp_path / "multirun").exists()
+
+
+def test_single_run_subprocess_prints_summary_and_ui_command(tmp_path, docs_dir):
+    proc = subprocess.run(
+        [PYTHON, "-m", "bake", *tiny_args(tmp_path / "out", docs_dir)],
+        cwd=REPO,
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (
+        "bake summary" in proc.stdout and "mlflow ui --backend-store-uri sqlite:///" in proc.stdout
+    )
+    run = last_run(tmp_path / "out")
+    assert {"report.json", "masks.safetensors", "model"} <= {p.name for p in run.iterdir()}
