@@ -10,7 +10,6 @@ import time
 import pytest
 from conftest import (
     PYTHON,
-    compose,
     interrupt,
     last_run,
     report,
