@@ -258,10 +258,13 @@ def test_ctrl_c_marks_the_run_killed_subprocess(tmp_path, docs_dir):
         stderr=subprocess.PIPE,
         text=True,
     )
-    deadline = time.time() + 120
-    while time.time() < deadline and not list(tmp_path.glob("runs/*/*/bake_run.json")):
+    deadline = time.time() + 240
+    while time.time() < deadline:  # wait until Phase A has begun
+        logs = list(tmp_path.glob("runs/*/*/bake.log"))
+        if logs and "baseline (full)" in logs[0].read_text():
+            break
         time.sleep(0.5)
-    time.sleep(8)  # into Phase A
+    time.sleep(3)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]

@@ -55,3 +55,24 @@ def test_only_a_strictly_better_evaluation_restores_the_copies():
     trained, ppl, info = phase_b_outcome([], None, 10.0, [4, 5])
     assert trained is None and "no evaluation was made" in info["note"]
     assert math.isfinite(ppl)
+
+
+@pytest.mark.parametrize("gate_grad", [True, False])
+def test_fused_ffn_gradients_equal_autograd(gate_grad):
+    from bake.stack import _GatedFFN
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
+    wg, wu = (
+        torch.randn(12, 8, generator=g, dtype=torch.float64, requires_grad=True) for _ in range(2)
+    )
+    wd = torch.randn(8, 12, generator=g, dtype=torch.float64, requires_grad=True)
+    gate = torch.rand(12, generator=g, dtype=torch.float64, requires_grad=gate_grad)
+    dout = torch.randn(2, 5, 8, generator=g, dtype=torch.float64)
+    mine = torch.autograd.grad(
+        _GatedFFN.apply(x, wg, wu, wd, gate), [x, wg, wu, wd] + ([gate] if gate_grad else []), dout
+    )
+    ref_out = torch.nn.functional.linear(torch.nn.functional.silu(x @ wg.T) * (x @ wu.T) * gate, wd)
+    ref = torch.autograd.grad(ref_out, [x, wg, wu, wd] + ([gate] if gate_grad else []), dout)
+    for a, b in zip(mine, ref, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)

@@ -129,7 +129,7 @@ class TrainerConf:
     num_nodes: int = 1
     strategy: str = "auto"
     progress_bar: bool = True
-    eval_batch_size: int = 12
+    eval_batch_size: int = 4
     callbacks: list[Any] = field(default_factory=list)
 
 

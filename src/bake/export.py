@@ -50,16 +50,14 @@ def compute_keep(logits: Tensor, tau: float, align: int, uniform: bool, num_laye
     return Keep(visits, masks.physical_keep(visits, num_layers), revived, masks.sparsity(visits))
 
 
-def final_ffn(stack, keep: Keep, trained: dict | None) -> list[tuple[Tensor, Tensor, Tensor]]:
-    """Per physical layer: (gate, up, down) with dropped neurons removed (down zeroed first)."""
-    out = []
-    for li in range(stack.num_layers):
-        g, u, d = (trained or {}).get(li) or stack.ffn_weights(li)
-        alive = keep.physical[li].to(d.device)
-        d = d.detach() * alive.to(d.dtype)  # zero the columns of dropped neurons
-        idx = torch.nonzero(alive).squeeze(1)
-        out.append((g.detach()[idx].clone(), u.detach()[idx].clone(), d[:, idx].clone()))
-    return out
+def pruned_ffn(stack, keep: Keep, trained: dict | None, li: int) -> tuple[Tensor, Tensor, Tensor]:
+    """Layer ``li``'s (gate, up, down) with its dropped neurons removed (down zeroed first):
+    Phase B's trained copies where there are some, else the backbone's."""
+    g, u, d = (trained or {}).get(li) or stack.ffn_weights(li)
+    alive = keep.physical[li].to(d.device)
+    idx = torch.nonzero(alive).squeeze(1)
+    d = d.detach()[:, idx] * alive[idx].to(d.dtype)  # the kept columns; dropped ones are gone
+    return g.detach()[idx], u.detach()[idx], d
 
 
 def export_format(keep: Keep, loops: int) -> str:
@@ -89,21 +87,56 @@ def _config(lm, keep: Keep, fmt: str, loops: int, loop_norm: bool) -> dict:
     return cfg
 
 
-def _state_dict(lm, ffn: list[tuple[Tensor, Tensor, Tensor]]) -> dict[str, Tensor]:
+def _tensors(stack, keep: Keep, trained: dict | None) -> list[tuple[str, tuple, object]]:
+    """(name, shape, producer) of every tensor of the export; the FFN tensors are pruned only
+    when written, one at a time, so the export never holds a second copy of the model."""
+    lm = stack.lm
     tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-    state = {}
+    out = []
     for name, tensor in lm.state_dict().items():
-        if tied and name == "lm_head.weight":
+        if (tied and name == "lm_head.weight") or ".mlp." in name:
             continue
-        if ".mlp." in name:
-            continue
-        state[name] = tensor.detach().to("cpu", torch.float32).contiguous()
-    for li, (g, u, d) in enumerate(ffn):
+        out.append((name, tuple(tensor.shape), lambda t=tensor: t))
+    hidden = stack.hidden_size
+    for li, width in enumerate(keep.per_layer):
         p = f"model.layers.{li}.mlp."
-        state[p + "gate_proj.weight"] = g.to("cpu", torch.float32).contiguous()
-        state[p + "up_proj.weight"] = u.to("cpu", torch.float32).contiguous()
-        state[p + "down_proj.weight"] = d.to("cpu", torch.float32).contiguous()
-    return state
+
+        def part(k: int, li: int = li):
+            return lambda: pruned_ffn(stack, keep, trained, li)[k]
+
+        out += [
+            (p + "gate_proj.weight", (width, hidden), part(0)),
+            (p + "up_proj.weight", (width, hidden), part(1)),
+            (p + "down_proj.weight", (hidden, width), part(2)),
+        ]
+    return out
+
+
+def save_streaming(path: Path, tensors: list[tuple[str, tuple, object]], metadata: dict) -> None:
+    """Write fp32 tensors in the safetensors format one at a time (the library's writer would
+    first serialise all of them into memory)."""
+    import struct
+
+    header, offset = {}, 0
+    for name, shape, _ in tensors:
+        size = 4 * int(torch.Size(shape).numel())
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for name, shape, make in tensors:
+            t = make().detach().to("cpu", torch.float32).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, header says {shape}")
+            fh.write(memoryview(t.numpy()).cast("B"))
 
 
 def visit_gates(keep: Keep) -> dict[str, Tensor]:
@@ -114,7 +147,7 @@ def visit_gates(keep: Keep) -> dict[str, Tensor]:
     }
 
 
-def write_model(directory: Path, stack, tokenizer, keep: Keep, ffn) -> str:
+def write_model(directory: Path, stack, tokenizer, keep: Keep, trained: dict | None) -> str:
     """Write the smaller model into ``directory`` (a staging directory); returns its format."""
     from safetensors.torch import save_file
 
@@ -123,7 +156,8 @@ def write_model(directory: Path, stack, tokenizer, keep: Keep, ffn) -> str:
     directory.mkdir(parents=True, exist_ok=True)
     cfg = _config(lm, keep, fmt, stack.loops, stack.loop_norm)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    save_file(_state_dict(lm, ffn), str(directory / "model.safetensors"), metadata={"format": "pt"})
+    tensors = _tensors(stack, keep, trained)
+    save_streaming(directory / "model.safetensors", tensors, {"format": "pt"})
     if fmt == "looped":
         save_file(visit_gates(keep), str(directory / VISIT_MASKS))
     gen = getattr(lm, "generation_config", None)

@@ -6,6 +6,7 @@ tokenised corpora, Phase A results) lives under ``paths.cache``.
 
 from __future__ import annotations
 
+import gc
 import logging
 import math
 import time
@@ -14,8 +15,9 @@ from pathlib import Path
 
 import torch
 
-from bake import masks
+from bake import masks, memory
 from bake.corpus import Corpus, load_corpus
+from bake.memory import PeakTracker
 from bake.models.loader import LoadedModel, load_model
 from bake.phases.common import Identity, best_state, fit, make_trainer, rank_zero, resume_point
 from bake.phases.results import PhaseAResult, Selection
@@ -37,7 +39,7 @@ class Ctx:
     model: LoadedModel | None = None
     corpus: Corpus | None = None
     seconds: dict = field(default_factory=dict)
-    report: dict = field(default_factory=dict)
+    memory: PeakTracker = field(default_factory=PeakTracker)
 
     @property
     def cache(self) -> Path:
@@ -47,6 +49,16 @@ class Ctx:
         return str(
             getattr(self.cfg.phase_a.eval_precision, "value", self.cfg.phase_a.eval_precision)
         )
+
+    def release_model(self) -> None:
+        """Drop this process's references to the backbone (it is reloaded from the cache when
+        needed again), so that the export can be loaded back without two models in memory."""
+        from bake.models import loader
+
+        loader._LOADED.clear()
+        self.model = None
+        gc.collect()
+        memory.trim()
 
     def held_ppl(self, gates=None, ffn=None) -> float:
         nll, n = held_nll(
@@ -92,6 +104,10 @@ def _timed(ctx: Ctx, name: str, fn, *args):
     t0 = time.perf_counter()
     out = fn(*args)
     ctx.seconds[name] = time.perf_counter() - t0
+    gc.collect()  # a phase's module and trainer hold reference cycles
+    memory.trim()
+    if ctx.memory.loaded is not None:
+        ctx.memory.stage_done(name)
     return out
 
 
@@ -116,14 +132,16 @@ def _stages(ctx: Ctx) -> float:
         ctx.corpus.calib.shape[0],
         cfg.corpus.chunk_len,
     )
+    ctx.memory.start()  # peaks below are measured against the loaded model and corpus
     backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
     log.info("baseline (full): %.3f", backbone)
     ctx.tracker.metrics({"final/backbone_ppl": backbone})
     result, selection, masked = _timed(ctx, "phase_a", _phase_a, ctx)
     trained, overlaid, b_info = _timed(ctx, "phase_b", _phase_b, ctx, selection, masked)
-    from bake.report import finish
+    from bake.report import Outcome, finish
 
-    return finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, t_start)
+    out = Outcome(backbone, result, selection, masked, trained, overlaid, b_info, t_start)
+    return finish(ctx, out)
 
 
 # -- Phase A ----------------------------------------------------------------------------------
@@ -263,14 +281,16 @@ def _phase_b(ctx: Ctx, selection: Selection, masked: float):
     fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
     info = {
         "enabled": True,
-        "layers": module.layer_ids,
-        "evaluations": module.evaluations,
+        "layers": list(module.layer_ids),
+        "evaluations": list(module.evaluations),
         "seconds_train": time.perf_counter() - t0,
         "sec_fwd_bwd": module.timer.means()[0],
     }
-    trained, overlaid, outcome = phase_b_outcome(
-        module.evaluations, best_state(phase_dir), masked, module.layer_ids
-    )
+    evaluations, layers = module.evaluations, module.layer_ids
+    del module, trainer  # free the copies and optimizer state before reading the best ones
+    gc.collect()
+    memory.trim()
+    trained, overlaid, outcome = phase_b_outcome(evaluations, best_state(phase_dir), masked, layers)
     (log.info if trained else log.warning)("[B] %s", outcome["note"])
     return trained, overlaid, info | outcome
 
@@ -283,7 +303,7 @@ def phase_b_outcome(evaluations: list[dict], best: dict | None, masked: float, l
     """
     best_ppl = min((e["held_ppl"] for e in evaluations), default=math.inf)
     if best is not None and best_ppl < masked:
-        params = [best[f"ffn.{i}"].float() for i in range(3 * len(layers))]
+        params = [best[f"ffn.{i}"].float().clone() for i in range(3 * len(layers))]
         trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
         note = f"restored the best copies: held-PPL {best_ppl:.3f} < masked {masked:.3f}"
         return trained, best_ppl, {"improved": True, "note": note}

@@ -8,6 +8,7 @@ import json
 import logging
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 
 from bake import export, masks
@@ -19,11 +20,24 @@ from bake.stack import Stack, held_nll, perplexity
 log = logging.getLogger("bake")
 
 
-def exported_ppl(model_dir: Path, fmt: str, ctx) -> float:
+@dataclass
+class Outcome:
+    """What the phases produced, for the export and the report."""
+
+    backbone: float
+    result: object  # PhaseAResult
+    selection: object  # Selection
+    masked: float
+    trained: dict | None  # Phase B's kept copies by physical layer, or None
+    overlaid: float
+    phase_b: dict
+    t_start: float
+
+
+def exported_ppl(model_dir: Path, fmt: str, held, device, batch_size: int, precision: str) -> float:
     """Held-out perplexity of the export, loaded back from disk as a user would load it."""
     import torch
 
-    device = ctx.model.stack.device
     if fmt == "stock":
         from transformers import AutoModelForCausalLM
 
@@ -37,142 +51,94 @@ def exported_ppl(model_dir: Path, fmt: str, ctx) -> float:
             stack, gates = loaded.stack(), loaded.gates()
         else:
             stack, gates = Stack(loaded, 1, True), None
-    nll, n = held_nll(
-        stack, ctx.corpus.held, gates, None, ctx.cfg.trainer.eval_batch_size, ctx.eval_precision()
-    )
+    nll, n = held_nll(stack, held, gates, None, batch_size, precision)
     return perplexity(nll, n)
 
 
-def _plots(stage: Path, result, selection, b_info, backbone, masked, keep, inter) -> None:
+def _plots(stage: Path, out: Outcome, keep, inter: int) -> None:
     from bake.plots import kept_plot, phase_a_plot, phase_b_plot
 
-    if result.evaluations:
-        phase_a_plot(result.evaluations, backbone, selection.index, stage / "plots" / "phase_a.png")
-    if b_info.get("evaluations"):
-        phase_b_plot(b_info["evaluations"], masked, stage / "plots" / "phase_b.png")
-    kept_plot(keep.per_visit, keep.per_layer, inter, stage / "plots" / "kept_per_layer.png")
-
-
-def finish(ctx, backbone, result, selection, masked, trained, overlaid, b_info, t_start) -> float:
-    """Export, report, summary; returns the exported held-out perplexity."""
-    cfg, stack = ctx.cfg, ctx.model.stack
-    if not rank_zero():
-        return overlaid  # other DDP ranks: the artifact is rank zero's
-    t0 = time.perf_counter()
-    keep = export.compute_keep(
-        selection.logits,
-        cfg.phase_a.tau,
-        cfg.export.align,
-        cfg.export.uniform_inter,
-        stack.num_layers,
-    )
-    ffn = export.final_ffn(stack, keep, trained)
-    params_before = sum(p.numel() for p in stack.lm.parameters())
-    run_dir = ctx.run_dir
-    try:
-        report = _write_artifact(
-            ctx,
-            run_dir,
-            keep,
-            ffn,
-            result,
-            selection,
-            b_info,
-            backbone,
-            masked,
-            overlaid,
-            params_before,
-            t0,
-            t_start,
+    plots = stage / "plots"
+    if out.result.evaluations:
+        phase_a_plot(
+            out.result.evaluations, out.backbone, out.selection.index, plots / "phase_a.png"
         )
+    if out.phase_b.get("evaluations"):
+        phase_b_plot(out.phase_b["evaluations"], out.masked, plots / "phase_b.png")
+    kept_plot(keep.per_visit, keep.per_layer, inter, plots / "kept_per_layer.png")
+
+
+def finish(ctx, out: Outcome) -> float:
+    """Export, report, summary; returns the exported held-out perplexity."""
+    if not rank_zero():
+        return out.overlaid  # other DDP ranks: the artifact is rank zero's
+    try:
+        report = _write_artifact(ctx, out)
     except OSError as exc:
         raise BakeError(
-            f"export: writing the artifact into {run_dir} failed ({exc}); nothing half-written "
-            f"was left there: fix the cause and continue with resume={run_dir}"
+            f"export: writing the artifact into {ctx.run_dir} failed ({exc}); nothing "
+            f"half-written was left there: fix the cause and continue with resume={ctx.run_dir}"
         ) from exc
-    _track(ctx, report, run_dir)
-    print_summary(report, cfg.tracking)
+    _track(ctx, report, ctx.run_dir)
+    print_summary(report, ctx.cfg.tracking)
     return report["perplexity"]["exported"]
 
 
-def _write_artifact(
-    ctx,
-    run_dir,
-    keep,
-    ffn,
-    result,
-    selection,
-    b_info,
-    backbone,
-    masked,
-    overlaid,
-    params_before,
-    t0,
-    t_start,
-) -> dict:
+def _write_artifact(ctx, out: Outcome) -> dict:
     """masks.safetensors, model/, config.yaml, plots/ and report.json, renamed into place
     together (report.json last) from a staging directory."""
     from omegaconf import OmegaConf
 
     from bake.runstate import resolved
 
-    cfg, stack = ctx.cfg, ctx.model.stack
-    with staged(run_dir, last="report.json") as stage:
-        export.write_masks(stage / "masks.safetensors", keep, selection.logits)
-        fmt = export.write_model(stage / "model", stack, ctx.model.tokenizer, keep, ffn)
-        exported = exported_ppl(stage / "model", fmt, ctx)
-        params_after = export.count_parameters(stage / "model")
+    cfg, stack, t0 = ctx.cfg, ctx.model.stack, time.perf_counter()
+    a, e = cfg.phase_a, cfg.export
+    keep = export.compute_keep(out.selection.logits, a.tau, e.align, e.uniform_inter,
+                               stack.num_layers)  # fmt: skip
+    model_info = {"name": cfg.model.name, "key": ctx.model.key, "loops": stack.loops,
+                  "layers": stack.num_layers, "ffn_width": stack.inter}  # fmt: skip
+    params_before, device = sum(p.numel() for p in stack.lm.parameters()), stack.device
+    with staged(ctx.run_dir, last="report.json") as stage:
+        export.write_masks(stage / "masks.safetensors", keep, out.selection.logits)
+        fmt = export.write_model(stage / "model", stack, ctx.model.tokenizer, keep, out.trained)
+        del stack
+        out.trained = None
+        ctx.release_model()  # the check below loads the export: never two models at once
+        exported = exported_ppl(stage / "model", fmt, ctx.corpus.held, device,
+                                cfg.trainer.eval_batch_size, ctx.eval_precision())  # fmt: skip
         (stage / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.tracking.plots:
-            _plots(stage, result, selection, b_info, backbone, masked, keep, stack.inter)
+            _plots(stage, out, keep, model_info["ffn_width"])
         ctx.seconds["export"] = time.perf_counter() - t0
-        ctx.seconds["total"] = time.perf_counter() - t_start
+        ctx.memory.stage_done("export")
+        ctx.seconds["total"] = time.perf_counter() - out.t_start
+        sel = out.selection
         report = {
-            "model": {
-                "name": cfg.model.name,
-                "key": ctx.model.key,
-                "loops": stack.loops,
-                "layers": stack.num_layers,
-                "ffn_width": stack.inter,
-            },
-            "corpus": {
-                "name": cfg.corpus.name,
-                "held_chunks": int(ctx.corpus.held.shape[0]),
-                "calib_chunks": int(ctx.corpus.calib.shape[0]),
-                "skipped_documents": ctx.corpus.skipped,
-            },
-            "perplexity": {
-                "backbone": backbone,
-                "masked": masked,
-                "overlaid": overlaid,
-                "exported": exported,
-            },
+            "model": model_info,
+            "corpus": {"name": cfg.corpus.name, "held_chunks": int(ctx.corpus.held.shape[0]),
+                       "calib_chunks": int(ctx.corpus.calib.shape[0]),
+                       "skipped_documents": ctx.corpus.skipped},
+            "perplexity": {"backbone": out.backbone, "masked": out.masked,
+                           "overlaid": out.overlaid, "exported": exported},
             "phase_a": {
-                "sparsity": masks.sparsity(masks.alive(selection.logits, cfg.phase_a.tau)),
-                "selected_step": selection.evaluation["step"] if selection.evaluation else None,
-                "evaluation_made": selection.index is not None,
-                "fell_back": selection.fell_back,
-                "note": selection.note,
-                "cached": result.cached,
-                "evaluations": result.evaluations,
-                "sec_fwd_bwd": result.sec_fwd_bwd,
-                "sec_opt": result.sec_opt,
+                "sparsity": masks.sparsity(masks.alive(sel.logits, a.tau)),
+                "selected_step": sel.evaluation["step"] if sel.evaluation else None,
+                "evaluation_made": sel.index is not None, "fell_back": sel.fell_back,
+                "note": sel.note, "cached": out.result.cached,
+                "evaluations": out.result.evaluations, "sec_fwd_bwd": out.result.sec_fwd_bwd,
+                "sec_opt": out.result.sec_opt,
             },
-            "phase_b": b_info,
-            "export": {
-                "pruned_ratio": keep.pruned_ratio,
-                "revived": keep.revived,
-                "align": cfg.export.align,
-                "uniform_inter": cfg.export.uniform_inter,
-                "format": fmt,
-                "kept_per_layer": keep.per_layer,
-                "kept_per_visit": keep.per_visit,
-            },
-            "parameters": {"before": params_before, "after": params_after},
+            "phase_b": out.phase_b,
+            "export": {"pruned_ratio": keep.pruned_ratio, "revived": keep.revived,
+                       "align": e.align, "uniform_inter": e.uniform_inter, "format": fmt,
+                       "kept_per_layer": keep.per_layer, "kept_per_visit": keep.per_visit},
+            "parameters": {"before": params_before,
+                           "after": export.count_parameters(stage / "model")},
             "seconds": dict(ctx.seconds),
-            "artifact": str(run_dir / "model"),
+            "memory": ctx.memory.summary(),
+            "artifact": str(ctx.run_dir / "model"),
             "config": resolved(cfg),
-        }
+        }  # fmt: skip
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
     return report
 
@@ -196,6 +162,7 @@ def _track(ctx, report: dict, run_dir: Path) -> None:
             "final/params_before": report["parameters"]["before"],
             "final/params_after": report["parameters"]["after"],
             "export/revived": ex["revived"],
+            "final/peak_rss_over_loaded": report["memory"]["peak_over_loaded"],
         }
     )
     for name in ("report.json", "masks.safetensors", "config.yaml"):

@@ -21,7 +21,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-LOGIT_BUDGET = 1 << 23  # elements of one logits block (32 MiB in fp32): rows = budget // vocab
+LOGIT_BUDGET = 1 << 22  # elements of one logits block (16 MiB in fp32): rows = budget // vocab
 FfnOverride = Mapping[int, Sequence[Tensor]]  # physical layer -> (gate, up, down) weights
 Observer = Callable[[int, Tensor], None]
 
@@ -71,12 +71,15 @@ class Stack:
         observe: Observer | None,
         v: int,
     ) -> Tensor:
-        mlp = self.layers[li].mlp
         wg, wu, wd = ffn[li] if ffn is not None and li in ffn else self.ffn_weights(li)
-        act = mlp.act_fn(F.linear(x, wg)) * F.linear(x, wu)
-        if observe is not None:
-            observe(v, act)
-        return F.linear(act if gate is None else act * gate, wd)
+        if observe is not None or not torch.is_grad_enabled():  # in place: no backward
+            act = F.silu(F.linear(x, wg), inplace=True).mul_(F.linear(x, wu))
+            if observe is not None:
+                observe(v, act)
+            return F.linear(act if gate is None else act.mul_(gate), wd)
+        if gate is None:
+            gate = torch.ones((), dtype=x.dtype, device=x.device)
+        return _GatedFFN.apply(x, wg, wu, wd, gate)
 
     def hidden(
         self,
@@ -125,6 +128,43 @@ class Stack:
         hn = self.hidden(ids, gates, ffn)
         rows = hn[:, :-1].reshape(-1, hn.shape[-1])
         return _HeadCrossEntropy.apply(rows, self.head.weight, ids[:, 1:].reshape(-1))
+
+
+class _GatedFFN(torch.autograd.Function):
+    """down(silu(gate_proj x) * up_proj x * gate): the FFN with its neuron gate, keeping only the
+    two pre-activations for the backward (autograd would keep four tensors of that size per
+    layer). The weights get gradients only when they require them (Phase B's copies)."""
+
+    @staticmethod
+    def forward(ctx, x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, gate: Tensor) -> Tensor:
+        g, u = F.linear(x, wg), F.linear(x, wu)
+        a = F.silu(g).mul_(u).mul_(gate)
+        out = F.linear(a, wd)
+        weights_grad = wg.requires_grad or wu.requires_grad or wd.requires_grad
+        ctx.save_for_backward(g, u, gate, wg, wu, wd, x if weights_grad else None)
+        return out
+
+    @staticmethod
+    def backward(ctx, dout: Tensor):
+        g, u, gate, wg, wu, wd, x = ctx.saved_tensors
+        needs = ctx.needs_input_grad
+        d2 = dout.reshape(-1, dout.shape[-1])
+        da = d2 @ wd  # d(a * gate)
+        silu = F.silu(g).reshape(da.shape)
+        act = silu * u.reshape(da.shape)
+        dgate = wdgrad = None
+        if needs[4]:
+            dgate = (da * act).sum(0) if gate.dim() else (da * act).sum()
+        if needs[3]:
+            wdgrad = d2.T @ (act * gate)
+        da.mul_(gate)
+        du = da * silu
+        dg = torch.ops.aten.silu_backward(da.mul_(u.reshape(da.shape)), g.reshape(da.shape))
+        dx = (dg @ wg).add_(du @ wu).view(*g.shape[:-1], wg.shape[1])
+        x2 = None if x is None else x.reshape(-1, x.shape[-1])
+        dwg = dg.T @ x2 if needs[1] else None
+        dwu = du.T @ x2 if needs[2] else None
+        return (dx if needs[0] else None), dwg, dwu, wdgrad, dgate
 
 
 def _block_rows(vocab: int) -> int:

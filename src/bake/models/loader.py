@@ -82,8 +82,13 @@ def check_gated_mlp(lm, where: str) -> None:
 
 
 def _finish(lm):
+    import torch
+
     lm = lm.float().eval()
     lm.requires_grad_(False)
+    with torch.no_grad():  # into anonymous memory: no lazily-read file mapping behind weights
+        for t in [*lm.parameters(), *lm.buffers()]:
+            t.data = t.data.clone()
     if getattr(lm.config, "_attn_implementation", None) != "sdpa":
         lm.set_attn_implementation("sdpa")
     return lm

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from bake import masks
+from bake import masks, memory
 from bake.errors import TrainingDiverged
 from bake.phases.common import (
     Identity,
@@ -176,6 +176,7 @@ class PhaseA(L.LightningModule):
         self._count += n
 
     def on_validation_epoch_end(self) -> None:
+        memory.trim()  # what the evaluation freed goes back before training resumes
         ppl = perplexity(self._nll, self._count)
         keep = masks.alive(self.logits.detach(), self.s.tau).cpu()
         sp = masks.sparsity(keep)

@@ -16,7 +16,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from bake import masks
+from bake import masks, memory
 from bake.errors import BakeError, TrainingDiverged
 from bake.phases.common import (
     Identity,
@@ -131,6 +131,8 @@ class PhaseB(L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.timer.step_done()
+        for p in self.ffn:  # not kept through evaluations and checkpoints; the next step
+            p.grad = None  # computes them anew
 
     def val_dataloader(self):
         return held_loader(self.held, self.s.eval_batch_size)
@@ -145,6 +147,7 @@ class PhaseB(L.LightningModule):
         self._count += n
 
     def on_validation_epoch_end(self) -> None:
+        memory.trim()  # what the evaluation freed goes back before training resumes
         ppl = perplexity(self._nll, self._count)
         best = min([e["held_ppl"] for e in self.evaluations] + [ppl])
         lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self._trainer else self.s.lr

@@ -1,0 +1,76 @@
+"""Resident memory of this process (Linux /proc; None elsewhere): current, and the peak since
+the last reset, so a bake can report what each stage cost on top of the loaded model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+_STATUS = Path("/proc/self/status")
+
+
+def _field(name: str) -> float | None:
+    try:
+        for line in _STATUS.read_text().splitlines():
+            if line.startswith(name + ":"):
+                return int(line.split()[1]) / 1024.0  # kB -> MiB
+    except OSError:
+        return None
+    return None
+
+
+def rss_mb() -> float | None:
+    """Resident memory now, MiB."""
+    return _field("VmRSS")
+
+
+def peak_mb() -> float | None:
+    """Peak resident memory since the process started or since :func:`reset_peak`, MiB."""
+    return _field("VmHWM")
+
+
+def trim() -> None:
+    """Give the C heap's free pages back to the system (glibc), so that what one phase freed
+    does not stay resident under the next."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
+
+
+def reset_peak() -> bool:
+    """Restart the peak from the current resident memory (Linux: clear_refs 5)."""
+    try:
+        Path("/proc/self/clear_refs").write_text("5")
+        return True
+    except OSError:
+        return False
+
+
+class PeakTracker:
+    """Peak resident memory of each stage after the model and corpus are loaded."""
+
+    def __init__(self) -> None:
+        self.loaded: float | None = None
+        self.stages: dict[str, float | None] = {}
+
+    def start(self) -> None:
+        self.loaded = rss_mb()
+        reset_peak()
+
+    def stage_done(self, name: str) -> None:
+        self.stages[name] = peak_mb()
+        reset_peak()
+
+    def summary(self) -> dict:
+        peaks = [p for p in self.stages.values() if p is not None]
+        peak = max(peaks) if peaks else None
+        ratio = peak / self.loaded if peak and self.loaded else None
+        return {
+            "rss_after_load_mb": self.loaded,
+            "peak_mb": peak,
+            "peak_over_loaded": ratio,
+            "stage_peaks_mb": dict(self.stages),
+        }
