@@ -93,10 +93,16 @@ def _write_artifact(ctx, out: Outcome) -> dict:
 
     cfg, stack, t0 = ctx.cfg, ctx.model.stack, time.perf_counter()
     a, e = cfg.phase_a, cfg.export
-    keep = export.compute_keep(out.selection.logits, a.tau, e.align, e.uniform_inter,
-                               stack.num_layers)  # fmt: skip
-    model_info = {"name": cfg.model.name, "key": ctx.model.key, "loops": stack.loops,
-                  "layers": stack.num_layers, "ffn_width": stack.inter}  # fmt: skip
+    keep = export.compute_keep(
+        out.selection.logits, a.tau, e.align, e.uniform_inter, stack.num_layers
+    )
+    model_info = {
+        "name": cfg.model.name,
+        "key": ctx.model.key,
+        "loops": stack.loops,
+        "layers": stack.num_layers,
+        "ffn_width": stack.inter,
+    }
     params_before, device = sum(p.numel() for p in stack.lm.parameters()), stack.device
     with staged(ctx.run_dir, last="report.json") as stage:
         export.write_masks(stage / "masks.safetensors", keep, out.selection.logits)
@@ -104,8 +110,14 @@ def _write_artifact(ctx, out: Outcome) -> dict:
         del stack
         out.trained = None
         ctx.release_model()  # the check below loads the export: never two models at once
-        exported = exported_ppl(stage / "model", fmt, ctx.corpus.held, device,
-                                cfg.trainer.eval_batch_size, ctx.eval_precision())  # fmt: skip
+        exported = exported_ppl(
+            stage / "model",
+            fmt,
+            ctx.corpus.held,
+            device,
+            cfg.trainer.eval_batch_size,
+            ctx.eval_precision(),
+        )
         (stage / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.tracking.plots:
             _plots(stage, out, keep, model_info["ffn_width"])
@@ -115,30 +127,48 @@ def _write_artifact(ctx, out: Outcome) -> dict:
         sel = out.selection
         report = {
             "model": model_info,
-            "corpus": {"name": cfg.corpus.name, "held_chunks": int(ctx.corpus.held.shape[0]),
-                       "calib_chunks": int(ctx.corpus.calib.shape[0]),
-                       "skipped_documents": ctx.corpus.skipped},
-            "perplexity": {"backbone": out.backbone, "masked": out.masked,
-                           "overlaid": out.overlaid, "exported": exported},
+            "corpus": {
+                "name": cfg.corpus.name,
+                "held_chunks": int(ctx.corpus.held.shape[0]),
+                "calib_chunks": int(ctx.corpus.calib.shape[0]),
+                "skipped_documents": ctx.corpus.skipped,
+            },
+            "perplexity": {
+                "backbone": out.backbone,
+                "masked": out.masked,
+                "overlaid": out.overlaid,
+                "exported": exported,
+            },
             "phase_a": {
                 "sparsity": masks.sparsity(masks.alive(sel.logits, a.tau)),
                 "selected_step": sel.evaluation["step"] if sel.evaluation else None,
-                "evaluation_made": sel.index is not None, "fell_back": sel.fell_back,
-                "note": sel.note, "cached": out.result.cached,
-                "evaluations": out.result.evaluations, "sec_fwd_bwd": out.result.sec_fwd_bwd,
+                "evaluation_made": sel.index is not None,
+                "fell_back": sel.fell_back,
+                "note": sel.note,
+                "cached": out.result.cached,
+                "evaluations": out.result.evaluations,
+                "sec_fwd_bwd": out.result.sec_fwd_bwd,
                 "sec_opt": out.result.sec_opt,
             },
             "phase_b": out.phase_b,
-            "export": {"pruned_ratio": keep.pruned_ratio, "revived": keep.revived,
-                       "align": e.align, "uniform_inter": e.uniform_inter, "format": fmt,
-                       "kept_per_layer": keep.per_layer, "kept_per_visit": keep.per_visit},
-            "parameters": {"before": params_before,
-                           "after": export.count_parameters(stage / "model")},
+            "export": {
+                "pruned_ratio": keep.pruned_ratio,
+                "revived": keep.revived,
+                "align": e.align,
+                "uniform_inter": e.uniform_inter,
+                "format": fmt,
+                "kept_per_layer": keep.per_layer,
+                "kept_per_visit": keep.per_visit,
+            },
+            "parameters": {
+                "before": params_before,
+                "after": export.count_parameters(stage / "model"),
+            },
             "seconds": dict(ctx.seconds),
             "memory": ctx.memory.summary(),
             "artifact": str(ctx.run_dir / "model"),
             "config": resolved(cfg),
-        }  # fmt: skip
+        }
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
     return report
 

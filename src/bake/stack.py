@@ -167,49 +167,59 @@ class _GatedFFN(torch.autograd.Function):
         return (dx if needs[0] else None), dwg, dwu, wdgrad, dgate
 
 
-def _block_rows(vocab: int) -> int:
-    return max(1, LOGIT_BUDGET // vocab)
+def _head_pass(rows: Tensor, weight: Tensor, targets: Tensor, grad: bool):
+    """Per-row -log p(target) of ``rows @ weight.T``, and optionally d(sum)/d(rows), in one
+    pass over blocks of the VOCABULARY with a running max (an online logsumexp).
+
+    Each block of the head's weights is read once and every row meets it in one GEMM (row
+    blocks would re-read the whole head per block); only a [rows, block] tile of logits exists
+    at a time. The gradient softmax @ W is accumulated the same way, rescaled whenever a row's
+    running max grows: sum_j exp(l_j - m) W_j / sum_j exp(l_j - m), then minus W[target].
+    """
+    n, vocab = rows.shape[0], weight.shape[0]
+    block = min(vocab, max(1024, LOGIT_BUDGET // max(n, 1)))
+    dt = torch.promote_types(rows.dtype, torch.float32)  # bf16 evaluations reduce in fp32
+    m = torch.full((n,), -math.inf, dtype=dt, device=rows.device)
+    s = torch.zeros(n, dtype=dt, device=rows.device)
+    picked = torch.zeros(n, dtype=dt, device=rows.device)
+    acc = torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device) if grad else None
+    for j0 in range(0, vocab, block):
+        w = weight[j0 : j0 + block]
+        logits = (rows @ w.T).to(dt)
+        here = ((targets >= j0) & (targets < j0 + block)).nonzero().squeeze(1)
+        picked[here] = logits[here, targets[here] - j0]
+        m_new = torch.maximum(m, logits.amax(dim=1))
+        scale = torch.exp(m - m_new)
+        probs = logits.sub_(m_new[:, None]).exp_()
+        s = s * scale + probs.sum(dim=1)
+        if acc is not None:
+            acc.mul_(scale[:, None].to(acc.dtype)).addmm_(probs.to(acc.dtype), w)
+        m = m_new
+    nll = m + s.log() - picked
+    if acc is None:
+        return nll, None
+    return nll, acc.div_(s[:, None].to(acc.dtype)).sub_(weight[targets])
 
 
 def _nll_sum(rows: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-    """Sum of -log p(target) over rows, computing the logits a block of rows at a time."""
-    total = torch.zeros((), dtype=torch.float64, device=rows.device)
-    step = _block_rows(weight.shape[0])
-    for r0 in range(0, rows.shape[0], step):
-        logits = (rows[r0 : r0 + step] @ weight.T).float()
-        tgt = targets[r0 : r0 + step]
-        picked = logits.gather(1, tgt[:, None]).squeeze(1)
-        total += (torch.logsumexp(logits, dim=1) - picked).sum(dtype=torch.float64)
-    return total
+    """Sum of -log p(target) over rows (float64), never holding all the logits."""
+    return _head_pass(rows, weight, targets, grad=False)[0].sum(dtype=torch.float64)
 
 
 class _HeadCrossEntropy(torch.autograd.Function):
-    """Mean cross-entropy of ``rows @ weight.T`` against ``targets``, by blocks of rows.
+    """Mean cross-entropy of ``rows @ weight.T`` against ``targets``.
 
     The gradient w.r.t. the rows, (softmax - onehot) @ weight / N, is formed in the forward
-    block by block, so neither the logits nor a log-softmax copy outlive their block; the
+    pass over vocabulary blocks, so neither the logits nor a log-softmax copy exist whole; the
     backward only scales it. The head weight is frozen in both phases.
     """
 
     @staticmethod
     def forward(ctx, rows: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
-        n = rows.shape[0]
-        grad = torch.empty_like(rows)
-        total = torch.zeros((), dtype=torch.float64, device=rows.device)
-        step = _block_rows(weight.shape[0])
-        for r0 in range(0, n, step):
-            logits = rows[r0 : r0 + step] @ weight.T
-            tgt = targets[r0 : r0 + step]
-            lse = torch.logsumexp(logits, dim=1, keepdim=True)
-            total += (lse.squeeze(1) - logits.gather(1, tgt[:, None]).squeeze(1)).sum(
-                dtype=torch.float64
-            )
-            probs = logits.sub_(lse).exp_()
-            probs[torch.arange(tgt.shape[0], device=tgt.device), tgt] -= 1.0
-            torch.mm(probs, weight, out=grad[r0 : r0 + step])
+        nll, grad = _head_pass(rows, weight, targets, grad=True)
         ctx.save_for_backward(grad)
-        ctx.n = n
-        return (total / n).to(rows.dtype)
+        ctx.n = rows.shape[0]
+        return (nll.sum(dtype=torch.float64) / ctx.n).to(rows.dtype)
 
     @staticmethod
     def backward(ctx, grad_out: Tensor):
