@@ -108,14 +108,17 @@ def main(argv: list[str] | None = None) -> dict:
     memory = PeakTracker()
     memory.start()
     stack = model.stack
+    marks = {"start": time.perf_counter() - T0}
     backbone = held(stack, corpus.held)
     logits, evals = phase_a(stack, corpus.calib, corpus.held, args.steps_a, args.eval_a)
+    marks["phase_a"] = time.perf_counter() - T0
     memory.stage_done("phase_a")
     gates = masks.hard_gates(logits, 0.5)
     masked = held(stack, corpus.held, gates)
     trained, overlaid = phase_b(
         stack, corpus.calib, corpus.held, gates, args.steps_b, args.eval_b, 4, masked
     )
+    marks["phase_b"] = time.perf_counter() - T0
     memory.stage_done("phase_b")
     keep = export.compute_keep(logits, 0.5, 32, False, stack.num_layers)
     with tempfile.TemporaryDirectory() as tmp:
@@ -134,6 +137,7 @@ def main(argv: list[str] | None = None) -> dict:
         },
         "evaluations": evals,
         "memory": memory.summary(),
+        "marks_s": marks,
         "finite": all(math.isfinite(x) for x in (backbone, masked, overlaid, exported)),
     }
     print(json.dumps(out))

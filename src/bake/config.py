@@ -39,6 +39,11 @@ class MaskInit(StrEnum):
     wanda = "wanda"  # init logit + per-layer z-score of log(Wanda-sp score)
 
 
+class PhaseAMethod(StrEnum):
+    learned = "learned"  # train the mask (the recipe)
+    wanda_sp = "wanda_sp"  # the Wanda-sp baseline: top-k neurons by score, no training
+
+
 class Precision(StrEnum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 elsewhere
     fp32 = "fp32"
@@ -92,6 +97,7 @@ class PhaseAConf:
     eval_every: int = 30
     tau: float = 0.5
     target_sparsity: float = 0.0
+    method: PhaseAMethod = PhaseAMethod.learned
     gate: Gate = Gate.sigmoid
     init: MaskInit = MaskInit.constant
     init_logit: float = 2.0

@@ -165,15 +165,38 @@ def phase_a_key(ctx: Ctx) -> str:
     )
 
 
+def wanda_scores(ctx: Ctx) -> torch.Tensor:
+    """Wanda-sp scores of this model on this corpus's calibration set (cached)."""
+    from bake import wanda
+
+    stack = ctx.model.stack
+    key = digest([ctx.model.key, ctx.corpus.key, stack.loops, stack.loop_norm])
+    path = ctx.cache / "wanda" / f"{ctx.cfg.model.name}-{key}.safetensors"
+    return wanda.cached_scores(stack, ctx.corpus.calib, path)
+
+
 def initial_logits(ctx: Ctx) -> torch.Tensor:
     a, stack = ctx.cfg.phase_a, ctx.model.stack
     m0 = masks.mask_init_logit(stack.loops, a.init_logit)
-    base = torch.full((stack.num_virtual, stack.inter), m0)
-    if str(getattr(a.init, "value", a.init)) == "wanda":
+    if a.init == "wanda":
         from bake import wanda
 
-        return wanda.init_logits(wanda.scores(stack, ctx.corpus.calib), m0)
-    return base
+        return wanda.init_logits(wanda_scores(ctx), m0)
+    return torch.full((stack.num_virtual, stack.inter), m0)
+
+
+def wanda_baseline(ctx: Ctx) -> PhaseAResult:
+    """Phase A replaced by the Wanda-sp baseline: top-k by score at the target sparsity."""
+    from bake import wanda
+
+    t0 = time.perf_counter()
+    a = ctx.cfg.phase_a
+    logits = wanda.baseline_logits(wanda_scores(ctx), a.target_sparsity)
+    keep = masks.alive(logits, a.tau)
+    ppl = ctx.held_ppl(masks.hard_gates(logits.to(ctx.model.stack.device), a.tau))
+    ev = {"step": 0, "l1": 0.0, "sparsity": masks.sparsity(keep), "held_ppl": ppl, "closed": 0}
+    log.info("[A] Wanda-sp baseline: %.2f%% pruned, held-PPL %.3f", 100 * ev["sparsity"], ppl)
+    return PhaseAResult([ev], logits[None].clone(), logits, time.perf_counter() - t0, 0.0, 0.0)
 
 
 def _log_evaluation(tracker: Tracker, prefix: str, ev: dict) -> None:
@@ -188,9 +211,11 @@ def _phase_a(ctx: Ctx) -> tuple[PhaseAResult, Selection, float]:
     key = phase_a_key(ctx)
     cache_path = ctx.cache / "phase_a" / f"{cfg.model.name}-{key}.safetensors"
     phase_dir = ctx.run_dir / "checkpoints" / "phase_a"
-    result = PhaseAResult.load(cache_path)
+    result = PhaseAResult.load(cache_path) if cfg.phase_a.method == "learned" else None
     best = None
-    if result is not None:
+    if cfg.phase_a.method == "wanda_sp":
+        result = wanda_baseline(ctx)
+    elif result is not None:
         log.info(
             "Phase A: reusing the cached result %s (trained once for these settings; "
             "only the selection depends on phase_a.target_sparsity)",

@@ -39,6 +39,13 @@ def _ranges(cfg, problems: list[str]) -> None:
         value = a[key]
         need(value >= 0 and math.isfinite(value), f"phase_a.{key}", value, "must be >= 0")
     need(math.isfinite(a.init_logit), "phase_a.init_logit", a.init_logit, "must be finite")
+    if a.method == "wanda_sp":
+        need(
+            a.target_sparsity > 0,
+            "phase_a.target_sparsity",
+            a.target_sparsity,
+            "must be > 0 with phase_a.method=wanda_sp (the fraction of neurons it drops)",
+        )
     need(b.steps >= 1, "phase_b.steps", b.steps, "must be >= 1 (phase_b.enabled=false skips it)")
     need(b.eval_every >= 1, "phase_b.eval_every", b.eval_every, "must be >= 1")
     need(b.lr > 0, "phase_b.lr", b.lr, "must be > 0")

@@ -174,6 +174,7 @@ def make_trainer(
         ModelCheckpoint(  # the selected evaluation: strictly lower replaces
             dirpath=phase_dir,
             filename="best",
+            save_weights_only=True,  # only restored as weights; last.ckpt is for resume
             monitor=monitor,
             mode="min",
             save_top_k=1,
