@@ -103,8 +103,7 @@ def main(argv: list[str] | None = None) -> dict:
     args = p.parse_args(argv)
     mcfg, ccfg = default_config()
     model = load_model(mcfg, Path(args.cache))
-    tok_key = f"{model.key}:{type(model.tokenizer).__name__}:{len(model.tokenizer)}"
-    corpus = load_corpus(ccfg, model.tokenizer, tok_key, 0, Path(args.cache))
+    corpus = load_corpus(ccfg, model.tokenizer, model.tokenizer_key, 0, Path(args.cache))
     memory = PeakTracker()
     memory.start()
     stack = model.stack

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import time
 from pathlib import Path
 
@@ -88,14 +89,14 @@ def main(argv: list[str] | None = None) -> dict:
     from bake.stack import held_nll, perplexity
     from benchmarks.bare import default_config
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
     t_start = time.perf_counter()
     cache, bench = Path(args.cache), Path(args.out).parent
     bench.mkdir(parents=True, exist_ok=True)
     cfg = _compose([])
     mcfg, ccfg = default_config()
     model = load_model(mcfg, cache)
-    tok_key = f"{model.key}:{type(model.tokenizer).__name__}:{len(model.tokenizer)}"
-    corpus = load_corpus(ccfg, model.tokenizer, tok_key, 0, cache)
+    corpus = load_corpus(ccfg, model.tokenizer, model.tokenizer_key, 0, cache)
     stack = model.stack
 
     def ppl(gates=None) -> float:

@@ -341,8 +341,7 @@ def main(argv: list[str] | None = None) -> dict:
     else:
         res["load"] = load_times(mcfg, cache)
         model = load_model(mcfg, cache)
-        tok_key = f"{model.key}:{type(model.tokenizer).__name__}:{len(model.tokenizer)}"
-        corpus = load_corpus(ccfg, model.tokenizer, tok_key, 0, cache)
+        corpus = load_corpus(ccfg, model.tokenizer, model.tokenizer_key, 0, cache)
         res["steps"] = step_ratios(model, corpus, args.reps, args.device, sync)
         sparsities = [float(x) for x in args.sparsity.split(",") if x]
         res["exported"] = exported_speed(model, corpus, sparsities, args.reps, args.device, sync)

@@ -21,6 +21,43 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach for the hub
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 
 
+class _CurrentStderr:
+    """A stream that writes to whatever ``sys.stderr`` is at the time of the write."""
+
+    def write(self, text: str) -> int:
+        return sys.stderr.write(text)
+
+    def flush(self) -> None:
+        sys.stderr.flush()
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _library_log_handlers_follow_stderr():
+    """Point the libraries' own stderr handlers at the current ``sys.stderr``.
+
+    transformers, lightning and mlflow each attach a handler that keeps the ``sys.stderr`` of the
+    moment it was made. Made inside a ``capsys`` test, that stream is closed when the test ends
+    and every later warning becomes a logging error, depending on test order.
+    """
+    import logging
+
+    import lightning.pytorch  # noqa: F401
+    import mlflow  # noqa: F401
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.get_logger("transformers")  # makes the library's handler now
+    loggers = [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]
+    for logger in loggers:
+        for handler in getattr(logger, "handlers", []):
+            if type(handler) is logging.StreamHandler and handler.stream in (
+                sys.stderr,
+                sys.__stderr__,
+            ):
+                handler.setStream(_CurrentStderr())
+                handler.__dict__.pop("flush", None)  # transformers binds the old stream's flush
+    yield
+
+
 def compose(overrides: list[str] | None = None):
     """The composed config (Hydra's compose API), as the command line would build it."""
     from hydra import compose as hydra_compose

@@ -17,8 +17,7 @@ from bake.models.loader import load_model
 def single_process_reference(cfg, cache, steps: int, world: int) -> torch.Tensor:
     """One process that averages, at step s, the gradients of chunks s*world .. s*world+world-1."""
     model = load_model(cfg.model, cache)
-    tok_key = f"{model.key}:{type(model.tokenizer).__name__}:{len(model.tokenizer)}"
-    corpus = load_corpus(cfg.corpus, model.tokenizer, tok_key, cfg.seed, cache)
+    corpus = load_corpus(cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, cache)
     a, stack = cfg.phase_a, model.stack
     logits = torch.full((stack.num_virtual, stack.inter), masks.mask_init_logit(1)).requires_grad_()
     opt = torch.optim.Adam([logits], lr=a.lr, betas=(0.9, 0.999), eps=1e-8)

@@ -19,8 +19,9 @@ def own_forward_ppl(outputs, docs, run_dir, extra):
     """Held-out perplexity of bake's forward with keep_visits and the final FFN weights."""
     cfg = compose(tiny_args(outputs, docs, *extra))
     model = load_model(cfg.model, outputs / "cache")
-    tok_key = f"{model.key}:{type(model.tokenizer).__name__}:{len(model.tokenizer)}"
-    corpus = load_corpus(cfg.corpus, model.tokenizer, tok_key, cfg.seed, outputs / "cache")
+    corpus = load_corpus(
+        cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, outputs / "cache"
+    )
     keep = load_file(run_dir / "masks.safetensors")["keep_visits"].bool()
     rep = report(run_dir)
     trained = None

@@ -68,6 +68,8 @@ def test_non_gated_architecture_is_refused_at_run_time(tmp_path, docs_dir, capsy
             num_key_value_heads=2,
             vocab_size=300,
             pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
         )
     ).save_pretrained(tmp_path / "phi3")
     args = [a for a in tiny_args(tmp_path / "o", docs_dir) if not a.startswith("model=")]

@@ -46,9 +46,7 @@ class Ctx:
         return Path(self.cfg.paths.cache)
 
     def eval_precision(self) -> str:
-        return str(
-            getattr(self.cfg.phase_a.eval_precision, "value", self.cfg.phase_a.eval_precision)
-        )
+        return str(self.cfg.phase_a.eval_precision)
 
     def release_model(self) -> None:
         """Drop this process's references to the backbone (it is reloaded from the cache when
@@ -117,9 +115,15 @@ def _stages(ctx: Ctx) -> float:
     cfg, t_start = ctx.cfg, time.perf_counter()
     L.seed_everything(cfg.seed, workers=True, verbose=False)
     ctx.model = _timed(ctx, "load", load_model, cfg.model, ctx.cache)
-    tok_key = f"{ctx.model.key}:{type(ctx.model.tokenizer).__name__}:{len(ctx.model.tokenizer)}"
     ctx.corpus = _timed(
-        ctx, "corpus", load_corpus, cfg.corpus, ctx.model.tokenizer, tok_key, cfg.seed, ctx.cache
+        ctx,
+        "corpus",
+        load_corpus,
+        cfg.corpus,
+        ctx.model.tokenizer,
+        ctx.model.tokenizer_key,
+        cfg.seed,
+        ctx.cache,
     )
     log.info(
         "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration "

@@ -218,6 +218,7 @@ def print_summary(report: dict, tcfg) -> None:
         f"  pruned               {100 * ex['pruned_ratio']:.2f}% after alignment (align "
         f"{ex['align']}, +{ex['revived']} revived)",
         f"  parameters           {par['before'] / 1e6:.2f}M -> {par['after'] / 1e6:.2f}M",
+        f"  run directory        {Path(report['artifact']).parent}",
         f"  artifact             {report['artifact']}",
     ]
     if tcfg.enabled:

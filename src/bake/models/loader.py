@@ -36,6 +36,11 @@ class LoadedModel:
     seconds: float = 0.0
     converted: bool = False
 
+    @property
+    def tokenizer_key(self) -> str:
+        """Identity of the tokenizer, for the corpus cache."""
+        return f"{self.key}:{type(self.tokenizer).__name__}:{len(self.tokenizer)}"
+
 
 def _fingerprint(*parts) -> str:
     return hashlib.sha256("\0".join(map(str, parts)).encode()).hexdigest()[:16]

@@ -11,7 +11,6 @@ fp32 (no autocast, no TF32): the mask selects neurons by its gradient.
 from __future__ import annotations
 
 import logging
-import math
 from dataclasses import dataclass, field
 
 import lightning as L
@@ -47,7 +46,7 @@ class PhaseASettings:
     target_sparsity: float
     straight_through: bool = False
     eval_precision: str = "fp32"
-    eval_batch_size: int = 12
+    eval_batch_size: int = 4
 
     @classmethod
     def from_config(cls, a, eval_batch_size: int) -> PhaseASettings:
@@ -60,8 +59,8 @@ class PhaseASettings:
             a.eval_every,
             a.tau,
             a.target_sparsity,
-            str(a.gate) in ("straight_through", "Gate.straight_through"),
-            str(getattr(a.eval_precision, "value", a.eval_precision)),
+            a.gate == "straight_through",
+            str(a.eval_precision),
             eval_batch_size,
         )
 
@@ -266,11 +265,3 @@ def eval_every_note(steps: int, eval_every: int) -> str | None:
         f"phase_a.steps={steps} < phase_a.eval_every={eval_every}: no evaluation fires; the "
         f"final mask is used and the report says that no evaluation was made"
     )
-
-
-def final_sparsity(logits: Tensor, tau: float) -> float:
-    return masks.sparsity(masks.alive(logits, tau))
-
-
-def is_finite(x: float) -> bool:
-    return math.isfinite(x)

@@ -38,7 +38,7 @@ class PhaseBSettings:
     layers: int
     eval_every: int
     eval_precision: str = "fp32"
-    eval_batch_size: int = 12
+    eval_batch_size: int = 4
 
 
 def trained_layers(num_layers: int, n: int) -> list[int]:
@@ -93,7 +93,7 @@ class PhaseB(L.LightningModule):
         )
         loops = self.stack.loops
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: masks.cosine_scale(s, self.s.steps) / max(1, loops)
+            opt, lambda s: lr_at(s, self.s, loops) / self.s.lr
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
