@@ -141,8 +141,13 @@ def test_a_new_run_never_overwrites_an_existing_one(tmp_path, docs_dir, capsys):
 
 
 def test_sweep_has_a_parent_children_and_a_summary_even_with_a_failure(tmp_path, docs_dir):
-    out = tmp_path / "out"
-    args = [a for a in tiny_args(out, docs_dir) if not a.startswith("corpus.held_chunks")]
+    # No paths.outputs: the default, outputs/ under the launch directory, as a user runs it.
+    out = tmp_path / "outputs"
+    args = [
+        a
+        for a in tiny_args(out, docs_dir)
+        if not a.startswith(("corpus.held_chunks", "paths.outputs"))
+    ]
     proc = subprocess.run(
         [PYTHON, "-m", "bake", "-m", *args, "corpus.held_chunks=6,79"],
         cwd=tmp_path,

@@ -8,6 +8,7 @@ about a second.
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from enum import StrEnum
 from typing import Any
@@ -175,6 +176,20 @@ def _run_dir(resume: str | None, default: str) -> str:
     return resume if resume else default
 
 
+def _launch_dir() -> str:
+    """The directory bake was launched from (``hydra.runtime.cwd``).
+
+    Hydra resolves the sweep directory, and runs its sweep callbacks, before its own config is
+    set; there ``${hydra:runtime.cwd}`` fails, and the process's directory is the same one, since
+    bake never changes directory.
+    """
+    from hydra.core.hydra_config import HydraConfig
+
+    if HydraConfig.initialized():
+        return HydraConfig.get().runtime.cwd
+    return os.getcwd()
+
+
 def register() -> None:
     """Register the schemas and bake's resolvers (idempotent)."""
     cs = ConfigStore.instance()
@@ -183,6 +198,8 @@ def register() -> None:
         cs.store(group=group, name=f"{group}_schema", node=node)
     if not OmegaConf.has_resolver("bake_run_dir"):
         OmegaConf.register_new_resolver("bake_run_dir", _run_dir)
+    if not OmegaConf.has_resolver("bake_launch_dir"):
+        OmegaConf.register_new_resolver("bake_launch_dir", _launch_dir)
 
 
 register()
