@@ -16,6 +16,8 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
+from bake.errors import TrainingDiverged
+
 log = logging.getLogger("bake.phases")
 
 
@@ -83,6 +85,36 @@ class StepTimer:
 
     def load(self, state: dict) -> None:
         self.fwd_bwd, self.opt, self.steps = state["fwd_bwd"], state["opt"], state["steps"]
+
+
+class CalibrationSteps:
+    """What the training steps of both phases share, mixed into their LightningModules.
+
+    The module sets ``phase`` ("a" or "b"), ``calib`` (the calibration chunks) and ``timer``.
+    """
+
+    phase: str
+    calib: Tensor
+    timer: StepTimer
+
+    def step_chunk(self) -> Tensor:
+        """This step's calibration chunk, from the global step (so a resumed run sees the same)."""
+        world = self.trainer.world_size if self._trainer is not None else 1
+        return calib_chunk(self.calib, self.global_step, self.global_rank, world).to(self.device)
+
+    def check_finite(self, loss: Tensor) -> None:
+        if not torch.isfinite(loss):
+            raise TrainingDiverged(
+                f"phase {self.phase.upper()}: the loss became {float(loss)} at step "
+                f"{self.global_step}; the checkpoints so far stay: fix the cause (a lower "
+                f"phase_{self.phase}.lr, for example) and continue with resume=<run dir>"
+            )
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.timer.start()
+
+    def on_before_optimizer_step(self, optimizer) -> None:
+        self.timer.backward_done()
 
 
 @dataclass

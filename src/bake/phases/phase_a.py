@@ -18,12 +18,11 @@ import torch
 from torch import Tensor, nn
 
 from bake import masks, memory
-from bake.errors import TrainingDiverged
 from bake.phases.common import (
+    CalibrationSteps,
     Identity,
     OnEvaluation,
     StepTimer,
-    calib_chunk,
     held_loader,
     step_loader,
 )
@@ -81,8 +80,10 @@ class Evaluation:
         return {k: v for k, v in self.__dict__.items() if k != "closed_names"}
 
 
-class PhaseA(L.LightningModule):
+class PhaseA(CalibrationSteps, L.LightningModule):
     """Mask learning over a frozen backbone that is shared, never copied or checkpointed."""
+
+    phase = "a"
 
     def __init__(
         self,
@@ -129,16 +130,8 @@ class PhaseA(L.LightningModule):
         return ce + masks.l1_penalty(self.logits, self.l1, self.stack.num_layers), ce
 
     def training_step(self, batch, batch_idx):
-        step = self.global_step
-        world = self.trainer.world_size if self._trainer is not None else 1
-        ids = calib_chunk(self.calib, step, self.global_rank, world).to(self.device)
-        loss, ce = self.model_step(ids)
-        if not torch.isfinite(loss):
-            raise TrainingDiverged(
-                f"phase A: the loss became {float(loss)} at step {step}; the checkpoints so far "
-                f"stay: fix the cause (a lower phase_a.lr, for example) and continue with "
-                f"resume=<run dir>"
-            )
+        loss, ce = self.model_step(self.step_chunk())
+        self.check_finite(loss)
         self.log("ce", ce.detach(), prog_bar=True, logger=False)
         return loss
 
@@ -146,12 +139,6 @@ class PhaseA(L.LightningModule):
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
         masks.clip_global_norm([self.logits], 1.0)
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        self.timer.start()
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        self.timer.backward_done()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.timer.step_done()

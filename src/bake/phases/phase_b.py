@@ -17,12 +17,12 @@ import torch
 from torch import Tensor, nn
 
 from bake import masks, memory
-from bake.errors import BakeError, TrainingDiverged
+from bake.errors import BakeError
 from bake.phases.common import (
+    CalibrationSteps,
     Identity,
     OnEvaluation,
     StepTimer,
-    calib_chunk,
     held_loader,
     step_loader,
 )
@@ -51,8 +51,10 @@ def lr_at(step: int, settings: PhaseBSettings, loops: int) -> float:
     return settings.lr * masks.cosine_scale(step, settings.steps) / max(1, loops)
 
 
-class PhaseB(L.LightningModule):
+class PhaseB(CalibrationSteps, L.LightningModule):
     """FFN repair of the last layers; the backbone stays frozen and shared."""
+
+    phase = "b"
 
     def __init__(
         self,
@@ -104,17 +106,8 @@ class PhaseB(L.LightningModule):
         return self.stack.loss(ids, self.gates, self.overrides())
 
     def training_step(self, batch, batch_idx):
-        step = self.global_step
-        world = self.trainer.world_size if self._trainer is not None else 1
-        loss = self.model_step(
-            calib_chunk(self.calib, step, self.global_rank, world).to(self.device)
-        )
-        if not torch.isfinite(loss):
-            raise TrainingDiverged(
-                f"phase B: the loss became {float(loss)} at step {step}; the checkpoints so far "
-                f"stay: fix the cause (a lower phase_b.lr, for example) and continue with "
-                f"resume=<run dir>"
-            )
+        loss = self.model_step(self.step_chunk())
+        self.check_finite(loss)
         self.log("ce", loss.detach(), prog_bar=True, logger=False)
         return loss
 
@@ -122,12 +115,6 @@ class PhaseB(L.LightningModule):
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
         masks.clip_global_norm(list(self.ffn), 1.0)
-
-    def on_train_batch_start(self, batch, batch_idx) -> None:
-        self.timer.start()
-
-    def on_before_optimizer_step(self, optimizer) -> None:
-        self.timer.backward_done()
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.timer.step_done()
