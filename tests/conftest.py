@@ -69,6 +69,26 @@ def compose(overrides: list[str] | None = None):
         return hydra_compose("config", overrides=["paths.outputs=/nonexistent", *(overrides or [])])
 
 
+def save_phi3(folder: Path) -> Path:
+    """A tiny random Phi-3 (its MLP fuses gate and up: not a gated MLP bake can prune)."""
+    from transformers import Phi3Config, Phi3ForCausalLM
+
+    Phi3ForCausalLM(
+        Phi3Config(
+            num_hidden_layers=2,
+            hidden_size=32,
+            intermediate_size=64,
+            num_attention_heads=2,
+            num_key_value_heads=2,
+            vocab_size=300,
+            pad_token_id=0,
+            bos_token_id=1,
+            eos_token_id=2,
+        )
+    ).save_pretrained(folder)
+    return folder
+
+
 WORDS = (
     "def return class import self value list dict print result index error data file path "
     "name model layer token chunk mask gate neuron train step loss batch open close read write"

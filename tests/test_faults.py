@@ -14,6 +14,7 @@ from conftest import (
     last_run,
     report,
     run_bake,
+    save_phi3,
     subprocess_env,
     tiny_args,
     write_docs,
@@ -57,21 +58,7 @@ def test_missing_model_path_and_offline_hub_id(tmp_path, capsys):
 
 
 def test_non_gated_architecture_is_refused_at_run_time(tmp_path, docs_dir, capsys):
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    Phi3ForCausalLM(
-        Phi3Config(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=300,
-            pad_token_id=0,
-            bos_token_id=1,
-            eos_token_id=2,
-        )
-    ).save_pretrained(tmp_path / "phi3")
+    save_phi3(tmp_path / "phi3")
     args = [a for a in tiny_args(tmp_path / "o", docs_dir) if not a.startswith("model=")]
     assert run_bake([*args, "model=hf", f"model.name_or_path={tmp_path}/phi3"]) == 1
     err = capsys.readouterr().err

@@ -7,6 +7,7 @@ import math
 
 import pytest
 import torch
+from conftest import compose, save_phi3
 from omegaconf import OmegaConf
 from safetensors.torch import load_file, save_file
 
@@ -97,7 +98,6 @@ def test_looped_forward_equals_hand_unrolled(loop_norm):
 
 
 def test_tiny_looped_config_composes_to_two_loops(tmp_path):
-    from conftest import compose
 
     cfg = compose(["model=tiny_looped"])
     meta = read_meta(cfg.model)
@@ -289,21 +289,8 @@ def test_non_gated_mlp_is_refused_naming_the_module(tmp_path):
 
 
 def test_fused_gate_up_mlp_is_refused_naming_the_module(tmp_path):
-    from transformers import Phi3Config, Phi3ForCausalLM
-
-    Phi3ForCausalLM(
-        Phi3Config(
-            num_hidden_layers=2,
-            hidden_size=32,
-            intermediate_size=64,
-            num_attention_heads=2,
-            num_key_value_heads=2,
-            vocab_size=300,
-            pad_token_id=0,
-        )
-    ).save_pretrained(tmp_path / "phi3")
     with pytest.raises(BakeError) as err:
-        load_model(hf_cfg(tmp_path / "phi3"), tmp_path / "cache")
+        load_model(hf_cfg(save_phi3(tmp_path / "phi3")), tmp_path / "cache")
     assert "Phi3MLP (gate_up_proj, down_proj" in str(err.value)
     assert "gate_proj/up_proj/down_proj" in str(err.value)
 
@@ -328,7 +315,6 @@ def test_layers_of_different_ffn_widths_are_refused(tmp_path):
 
 @pytest.mark.slow
 def test_embedded_smollm2_loads_from_gguf_and_cache(tmp_path_factory):
-    from conftest import compose
 
     cfg = compose()
     cache = tmp_path_factory.mktemp("cache")
