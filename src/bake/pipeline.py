@@ -21,7 +21,7 @@ from bake.memory import PeakTracker
 from bake.models.loader import LoadedModel, load_model
 from bake.phases.common import Identity, best_state, fit, make_trainer, rank_zero, resume_point
 from bake.phases.results import PhaseAResult, Selection
-from bake.runstate import RunRecord, digest, flatten, open_record, resolved
+from bake.runstate import RunRecord, digest, open_record, resolved
 from bake.stack import held_nll, perplexity
 from bake.tracking import Tracker
 
@@ -343,8 +343,3 @@ def phase_b_outcome(evaluations: list[dict], best: dict | None, masked: float, l
     )
     note = f"Phase B made no improvement ({why}); the backbone's FFN weights are used"
     return None, masked, {"improved": False, "note": note}
-
-
-def params_of(cfg) -> dict[str, object]:
-    """Every resolved config value except ``resume``, as flat MLflow params."""
-    return {k: v for k, v in flatten(resolved(cfg)).items() if k != "resume"}

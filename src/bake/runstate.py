@@ -40,6 +40,11 @@ def resolved(cfg) -> dict:
     return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
 
 
+def params_of(cfg) -> dict[str, object]:
+    """Every resolved config value except ``resume``, as flat MLflow params."""
+    return {k: v for k, v in flatten(resolved(cfg)).items() if k != "resume"}
+
+
 def comparable(cfg) -> dict[str, object]:
     """The settings that define what a bake computes, flattened."""
     flat = flatten(resolved(cfg))

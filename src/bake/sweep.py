@@ -48,7 +48,7 @@ def open_tracker(cfg, record, hc) -> Tracker:
     """The MLflow run of this bake: reopened on resume, else new (a child inside a sweep)."""
     if cfg.resume and record.mlflow_run_id:
         return reopen_run(cfg.tracking, record.mlflow_run_id, record.resumed)
-    from bake.pipeline import params_of
+    from bake.runstate import params_of
 
     overrides = list(hc.overrides.task)
     tags = {
