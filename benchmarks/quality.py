@@ -1,7 +1,7 @@
 """Quality of bake's mask against the Wanda-sp baseline at the SAME per-layer kept counts, on
 the embedded default (SmolLM2-135M, stdlib corpus, document-disjoint held-out split).
 
-    python -m benchmarks.quality                 # ~55 minutes on 2 CPU cores
+    python -m benchmarks.quality                 # ~25 minutes on 2 CPU cores
     python -m benchmarks.quality --settings reference
 
 For every Phase A setting, one Phase A run (240 steps) serves every target: the denoising
