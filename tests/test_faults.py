@@ -246,6 +246,9 @@ def test_ctrl_c_marks_the_run_killed_subprocess(tmp_path, docs_dir):
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
+        # As in a terminal: a test run started in the background (nohup, `&`, some CI runners)
+        # ignores SIGINT, and Python keeps an ignored SIGINT ignored in the child.
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
     )
     deadline = time.time() + 240
     while time.time() < deadline:  # wait until Phase A has begun
