@@ -1,196 +1,282 @@
-"""Quality of bake's mask against the Wanda-sp baseline at the SAME per-layer kept counts, on
-the embedded default (SmolLM2-135M, stdlib corpus, document-disjoint held-out split).
+"""Quality of what ships: each row is a whole bake (``python -m bake``), judged on its exported
+artifact loaded the way a user loads it, on the TEST split (documents neither training nor any
+held-out choice saw), and on Python text outside the task corpus against Wanda-sp plus the
+least-squares repair at the same widths.
 
-    python -m benchmarks.quality                 # ~25 minutes on 2 CPU cores
-    python -m benchmarks.quality --settings reference
+    python -m benchmarks.quality                  # every table; resumes row by row
+    python -m benchmarks.quality --tables main    # main, ablation, corpus (comma-separated)
+    python -m benchmarks.quality --list           # the rows and whether each is done
 
-For every Phase A setting, one Phase A run (240 steps) serves every target: the denoising
-bottom (target 0) and targets 0.1, 0.2, 0.3 are selections from its evaluations, as bake makes
-them. Wanda-sp keeps, in every virtual layer, as many neurons as bake's mask does, chosen by
-||W_down[:, j]|| * ||a_j|| over the calibration tokens. Both masks then go through the same
-Phase B (shortened to PHASE_B_STEPS, the same for both). Writes outputs/bench/quality.json and
-prints a table.
+Rows are written one JSON each under outputs/bench/quality/ and skipped when present, so an
+interrupted run continues where it stopped (delete a row's JSON to measure it again). The
+tables:
+
+- main: exported sparsity 10, 20, 30, 40%: bake's default, the reference preset
+  (``phase_a=reference phase_b=reference export=reference``, with ``phase_a.steps`` raised to
+  REFERENCE_STEPS so that its L1 pace can reach 40%; the step of the evaluation it selects is
+  listed), and the baselines (Wanda-sp, FLAP) with the default's repairs and export.
+- ablation: the default at 20% with one part changed at a time.
+- corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
+  and 40%: the default against the baselines.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import logging
+import math
+import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
-TARGETS = [0.0, 0.1, 0.2, 0.3]
-PHASE_B_STEPS, PHASE_B_EVERY = 40, 20
-SETTINGS = {
-    "reference": [],  # the reference recipe: sigmoid gate, logits start at 2.0
-    "wanda_ste": ["phase_a=wanda_ste"],  # straight-through gate, Wanda-initialised logits
-    "wanda_ste_fast": ["phase_a=wanda_ste_fast"],  # the same at the reference's learning rate
+OUT = REPO / "outputs" / "bench" / "quality"
+REFERENCE = ["phase_a=reference", "phase_b=reference", "export=reference"]
+REFERENCE_STEPS = 720  # the reference's L1 pace reaches about 40% here (one Phase A, 4 targets)
+BASELINES = {"wanda_sp": ["phase_a=wanda_sp"], "flap": ["phase_a=flap"]}
+TARGETS = (0.1, 0.2, 0.3, 0.4)
+ABLATION = {
+    "no controller (L1 schedule, target met by dropping)": [
+        "phase_a.controller=none",
+        "phase_a.l1_mult=8",
+        "phase_a.lr=0.1",
+    ],
+    "align after the repairs (reference order)": ["export.align_before_repair=false"],
+    "no least-squares repair": ["phase_b.least_squares=false"],
+    "distillation 0.5": ["phase_b.distill=0.5"],
+    "last 4 layers only (Phase B)": ["phase_b.all_layers=false"],
 }
 
 
-def phase_a(cfg, model, corpus, bench: Path, name: str, init):
-    """bake's Phase A (the LightningModule in its Trainer) for one setting; cached per run."""
-    from bake.phases.common import Identity, make_trainer
-    from bake.phases.phase_a import PhaseA, PhaseASettings
-    from bake.phases.results import PhaseAResult
+def headers_glob() -> str:
+    """The second corpus: C++ headers of the installed torch wheel (not Python, on every
+    machine that runs bake)."""
+    import torch
 
-    path = bench / f"phase_a-{name}.safetensors"
-    if path.is_file():
-        return PhaseAResult.load(path)
-    settings = PhaseASettings.from_config(cfg.phase_a, cfg.trainer.eval_batch_size)
-    settings.eval_precision = "fp32"
-    module = PhaseA(model.stack, corpus.calib, corpus.held, settings, init, Identity("q", name))
-    trainer = make_trainer(
-        cfg.trainer,
-        bench / f"ckpt-{name}",
-        cfg.phase_a.steps,
-        cfg.phase_a.eval_every,
-        "phase_a/select",
-    )
-    t0 = time.perf_counter()
-    trainer.fit(module)
-    result = PhaseAResult.from_module(module, time.perf_counter() - t0)
-    result.save(path)
-    return result
+    return str(Path(torch.__file__).parent / "include" / "**" / "*.h")
 
 
-def phase_b(cfg, model, corpus, gates, bench: Path, tag: str, masked: float) -> float:
-    """The same shortened Phase B for any mask; the best evaluation only if it beats masked."""
-    from bake.phases.common import Identity, make_trainer
-    from bake.phases.phase_b import PhaseB, PhaseBSettings
+def rows() -> dict[str, dict]:
+    """Every row: its table, label and the overrides of its bake."""
+    out: dict[str, dict] = {}
+    for t in TARGETS:
+        tag = f"{int(100 * t)}"
+        out[f"main-default-{tag}"] = {
+            "table": "main",
+            "setting": "default",
+            "target": t,
+            "args": [],
+        }
+        out[f"main-reference-{tag}"] = {
+            "table": "main",
+            "setting": "reference",
+            "target": t,
+            "args": [*REFERENCE, f"phase_a.steps={REFERENCE_STEPS}"],
+        }
+        for name, args in BASELINES.items():
+            out[f"main-{name}-{tag}"] = {
+                "table": "main",
+                "setting": name,
+                "target": t,
+                "args": args,
+            }
+    out["ablation-default-20"] = {
+        "table": "ablation",
+        "setting": "default",
+        "target": 0.2,
+        "args": [],
+    }
+    for i, (label, args) in enumerate(ABLATION.items()):
+        out[f"ablation-{i}-20"] = {
+            "table": "ablation",
+            "setting": label,
+            "target": 0.2,
+            "args": args,
+        }
+    for t in (0.2, 0.4):
+        tag = f"{int(100 * t)}"
+        for name, args in {"default": [], **BASELINES}.items():
+            out[f"corpus-{name}-{tag}"] = {
+                "table": "corpus",
+                "setting": name,
+                "target": t,
+                "args": args,
+                "corpus": "torch_headers",
+            }
+    return out
 
-    b = cfg.phase_b
-    s = PhaseBSettings(
-        PHASE_B_STEPS, b.lr, b.layers, PHASE_B_EVERY, "fp32", cfg.trainer.eval_batch_size
-    )
-    module = PhaseB(model.stack, corpus.calib, corpus.held, s, gates, Identity("q", tag))
-    make_trainer(
-        cfg.trainer, bench / f"ckpt-b-{tag}", s.steps, s.eval_every, "phase_b/held_ppl"
-    ).fit(module)
-    best = min((e["held_ppl"] for e in module.evaluations), default=masked)
-    return best if best < masked else masked
+
+def overrides(row: dict) -> list[str]:
+    """The row's bake overrides, its corpus included."""
+    args = list(row["args"])
+    if row.get("corpus") == "torch_headers":
+        args += ["corpus=text_files", "corpus.name=torch_headers", f"corpus.glob={headers_glob()}"]
+    return [*args, f"phase_a.target_sparsity={row['target']}"]
 
 
-def main(argv: list[str] | None = None) -> dict:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--settings", default=",".join(SETTINGS), help="which Phase A settings")
-    p.add_argument("--out", default=str(REPO / "outputs" / "bench" / "quality.json"))
-    p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
-    args = p.parse_args(argv)
+def outside_chunks(tokenizer, n: int = 24, chunk_len: int = 256):
+    """Python text outside the task corpus: sources of installed packages (site-packages),
+    one chunk from each of ``n`` files chosen with a fixed seed."""
+    import random
+    import site
 
     import torch
 
-    from bake import masks, wanda
+    packages = ("hydra", "omegaconf", "lightning", "mlflow", "transformers", "safetensors")
+    roots = [Path(p) for p in site.getsitepackages()]
+    files = sorted(f for r in roots for pkg in packages for f in (r / pkg).rglob("*.py"))
+    random.Random(11).shuffle(files)
+    rng, chunks = random.Random(12), []
+    for f in files:
+        text = f.read_text(errors="replace")
+        if len(text) < 4000:
+            continue
+        start = rng.randrange(len(text) - 3000)
+        ids = tokenizer(text[start : start + 6000], add_special_tokens=False)["input_ids"]
+        if len(ids) >= chunk_len:
+            chunks.append(ids[:chunk_len])
+        if len(chunks) == n:
+            break
+    return torch.tensor(chunks)
+
+
+def bake_row(name: str, row: dict, cache: Path) -> dict:
+    """One bake in a subprocess (its own peak memory), then the extra evaluations."""
+    runs = OUT / "runs" / name
+    cmd = [
+        sys.executable,
+        "-m",
+        "bake",
+        *overrides(row),
+        "tracking.enabled=false",
+        "trainer.progress_bar=false",
+        f"paths.outputs={runs}",
+        f"paths.cache={cache}",
+    ]
+    t0 = time.perf_counter()
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, env=dict(os.environ))
+    wall = time.perf_counter() - t0
+    if proc.returncode != 0:
+        raise RuntimeError(f"{name}: bake failed ({proc.returncode}):\n{proc.stderr[-3000:]}")
+    run = sorted((runs / "runs").glob("*/*"))[-1]
+    report = json.loads((run / "report.json").read_text())
+    return {"name": name, **row, "wall_s": wall, "run": str(run), "report": report}
+
+
+def extra_evaluations(result: dict, cache: Path) -> dict:
+    """The exported model on Python outside the corpus, and Wanda-sp + least squares at the
+    SAME per-layer widths on the test split and that text (the backbone's, repaired)."""
+    import torch
+
+    from bake import repair, scores
+    from bake.artifact import artifact_nll, load_artifact
     from bake.corpus import load_corpus
     from bake.models.loader import load_model
-    from bake.runstate import digest
     from bake.stack import held_nll, perplexity
-    from benchmarks.bare import default_config
+    from benchmarks.common import compose
 
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
-    t_start = time.perf_counter()
-    cache, bench = Path(args.cache), Path(args.out).parent
-    bench.mkdir(parents=True, exist_ok=True)
-    cfg = _compose([])
-    mcfg, ccfg = default_config()
-    model = load_model(mcfg, cache)
-    corpus = load_corpus(ccfg, model.tokenizer, model.tokenizer_key, 0, cache)
+    rep = result["report"]
+    cfg = compose(overrides(result))
+    model = load_model(cfg.model, cache)
+    corpus = load_corpus(cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, cache)
+    outside = outside_chunks(model.tokenizer)
+    artifact = load_artifact(Path(result["run"]) / "model", rep["export"]["format"], "cpu")
+    exported_outside = perplexity(*artifact_nll(artifact, outside, 4, "fp32"))
+    del artifact
     stack = model.stack
+    widths = rep["export"]["kept_per_visit"]
+    stats = scores.activation_stats(stack, corpus.calib)
+    keep = scores.keep_top(scores.wanda(stack, stats), widths)
+    physical = keep.view(stack.loops, stack.num_layers, -1).any(dim=0)
+    ffn = repair.least_squares(stack, corpus.calib[:96], keep, physical)
+    gates = keep.float()
 
-    def ppl(gates=None) -> float:
-        return perplexity(*held_nll(stack, corpus.held, gates, None, 4, "fp32"))
+    def ppl(chunks) -> float:
+        return perplexity(*held_nll(stack, chunks, gates, ffn, 4, "fp32"))
 
-    key = digest([model.key, corpus.key, stack.loops, stack.loop_norm])
-    scores = wanda.cached_scores(
-        stack, corpus.calib, cache / "wanda" / f"smollm2-{key}.safetensors"
-    )
-    res = {
-        "date": time.strftime("%Y-%m-%d"),
-        "backbone": ppl(),
-        "phase_b_steps": PHASE_B_STEPS,
-        "settings": {},
+    return {
+        "exported_outside": exported_outside,
+        "backbone_outside": perplexity(*held_nll(stack, outside, None, None, 4, "fp32")),
+        "wanda_ls_test": ppl(corpus.test) if corpus.test.numel() else math.nan,
+        "wanda_ls_outside": ppl(outside),
+        "wanda_ls_widths": widths,
+        "torch_threads": torch.get_num_threads(),
     }
-    done_b: dict[str, float] = {}
-    for name in [s for s in args.settings.split(",") if s]:
-        cfg = _compose(SETTINGS[name])
-        m0 = masks.mask_init_logit(stack.loops, cfg.phase_a.init_logit)
-        init = (
-            wanda.init_logits(scores, m0)
-            if cfg.phase_a.init == "wanda"
-            else torch.full((stack.num_virtual, stack.inter), m0)
-        )
-        result = phase_a(cfg, model, corpus, bench, name, init)
-        rows = []
-        for target in TARGETS:
-            sel = result.select(target, cfg.phase_a.tau)
-            keep = masks.alive(sel.logits, cfg.phase_a.tau)
-            counts = keep.sum(dim=1).tolist()
-            base = wanda.keep_top(scores, counts)
-            row = {
-                "target": target,
-                "step": sel.evaluation and sel.evaluation["step"],
-                "fell_back": sel.fell_back,
-                "sparsity": masks.sparsity(keep),
-                "bake_a": sel.evaluation["held_ppl"] if sel.evaluation else ppl(keep.float()),
-                "wanda_a": ppl(base.float()),
-            }
-            for who, mask, masked in (
-                ("bake", keep, row["bake_a"]),
-                ("wanda", base, row["wanda_a"]),
-            ):
-                tag = f"{who}-{digest(mask.flatten().tolist())}"
-                if tag not in done_b:
-                    done_b[tag] = phase_b(cfg, model, corpus, mask.float(), bench, tag, masked)
-                row[f"{who}_b"] = done_b[tag]
-            rows.append(row)
-            print(_line(name, row), flush=True)
-        res["settings"][name] = {
-            "overrides": SETTINGS[name],
-            "evaluations": result.evaluations,
-            "rows": rows,
-        }
-    res["minutes"] = (time.perf_counter() - t_start) / 60
-    Path(args.out).write_text(json.dumps(res, indent=2))
-    print(table(res))
-    print(f"\nwritten: {args.out}")
-    return res
 
 
-def _compose(overrides: list[str]):
-    from hydra import compose, initialize_config_dir
-
-    import bake.config  # noqa: F401
-
-    with initialize_config_dir(config_dir=str(REPO / "conf"), version_base="1.3"):
-        return compose(
-            "config", overrides=["paths.outputs=outputs", "trainer.progress_bar=false", *overrides]
-        )
-
-
-def _line(name: str, r: dict) -> str:
-    target = "bottom" if r["target"] == 0 else f"{r['target']:.1f}"
-    fb = "*" if r["fell_back"] else " "
-    return (
-        f"{name:<11} {target:>6} {100 * r['sparsity']:>6.2f}%{fb} {r['bake_a']:>8.3f} "
-        f"{r['wanda_a']:>8.3f} {r['bake_b']:>8.3f} {r['wanda_b']:>8.3f}"
-    )
+def run(names: list[str], cache: Path) -> None:
+    table = rows()
+    for name in names:
+        path = OUT / f"{name}.json"
+        if path.is_file():
+            print(f"{name}: done ({path})", flush=True)
+            continue
+        print(f"{name}: baking ...", flush=True)
+        result = bake_row(name, table[name], cache)
+        result["extra"] = extra_evaluations(result, cache)
+        result["date"] = time.strftime("%Y-%m-%d")
+        OUT.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2, default=str))
+        tmp.replace(path)
+        print(line(result), flush=True)
 
 
-def table(res: dict) -> str:
-    head = (
-        f"{'setting':<11} {'target':>6} {'pruned':>8} {'bake A':>8} {'wanda A':>8} "
-        f"{'bake B':>8} {'wanda B':>8}"
-    )
-    lines = [
-        f"backbone held-PPL {res['backbone']:.3f}; Phase B {res['phase_b_steps']} steps; "
-        f"* = target not reached, the sparsest evaluation",
-        head,
+def line(r: dict) -> str:
+    rep, ex = r["report"], r["extra"]
+    ppl = rep["perplexity"]
+    back_test = ppl.get("test_backbone") or math.nan
+    pruned, peak = rep["export"]["pruned_ratio"], rep["memory"].get("peak_mb") or math.nan
+    cells = [
+        f"{r['setting']:<44}",
+        f"{100 * r['target']:>5.0f}%",
+        f"{100 * pruned:>6.2f}%",
+        f"{ppl['test_exported']:>8.3f}",
+        f"{ppl['test_exported'] / back_test:>6.3f}",
+        f"{ex['wanda_ls_test']:>8.3f}",
+        f"{ex['exported_outside']:>8.3f}",
+        f"{ex['wanda_ls_outside']:>8.3f}",
+        f"{r['wall_s'] / 60:>6.1f}",
+        f"{peak / 1024:>5.2f}",
     ]
-    for name, s in res["settings"].items():
-        lines += [_line(name, r) for r in s["rows"]]
-    return "\n".join(lines)
+    return " ".join(cells)
+
+
+def tables() -> str:
+    done = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
+    head = (
+        f"{'setting':<44} {'target':>6} {'pruned':>7} {'test':>8} {'ratio':>6} "
+        f"{'W+LS':>8} {'outside':>8} {'W+LS out':>8} {'min':>6} {'GiB':>5}"
+    )
+    out = []
+    for table in ("main", "ablation", "corpus"):
+        got = [r for n, r in done.items() if n.startswith(table + "-")]
+        if got:
+            out += ["", f"[{table}]", head]
+            out += [line(r) for r in sorted(got, key=lambda r: (r["target"], r["setting"]))]
+    return "\n".join(out)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
+    p.add_argument("--tables", default="main,ablation,corpus")
+    p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
+    p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
+    p.add_argument("--list", action="store_true", help="list the rows and exit")
+    args = p.parse_args(argv)
+    table = rows()
+    wanted = [t for t in args.tables.split(",") if t]
+    names = [n for n in table if table[n]["table"] in wanted]
+    if args.rows:
+        names = [n for n in args.rows.split(",") if n]
+    if args.list:
+        for n in names:
+            print(f"{n:<28} {'done' if (OUT / f'{n}.json').is_file() else '-'}")
+        return
+    run(names, Path(args.cache))
+    print(tables())
 
 
 if __name__ == "__main__":

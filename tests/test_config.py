@@ -33,15 +33,29 @@ def test_every_yaml_key_is_commented():
                 assert "#" in line or path.name != "config.yaml" or line.startswith(" "), line
 
 
-def test_defaults_are_the_reference_recipe():
-    cfg = compose()
+def test_reference_presets_are_the_reference_recipe():
+    cfg = compose(["phase_a=reference", "phase_b=reference", "export=reference"])
     a, b, c, e = cfg.phase_a, cfg.phase_b, cfg.corpus, cfg.export
     assert cfg.model.name == "smollm2" and cfg.seed == 0
     assert (a.steps, a.l1_init, a.l1_step, a.l1_mult, a.lr) == (240, 0.01, 0.005, 1.0, 0.1)
     assert (a.eval_every, a.tau, a.target_sparsity) == (30, 0.5, 0.0)
+    assert (a.method, a.controller, a.gate, a.init, a.init_logit) == (
+        "learned",
+        "none",
+        "sigmoid",
+        "constant",
+        2.0,
+    )
     assert (b.steps, b.lr, b.layers, b.eval_every) == (120, 1e-5, 4, 30)
-    assert (e.align, e.uniform_inter) == (32, False)
+    assert (b.all_layers, b.distill, b.least_squares) == (False, 0.0, False)
+    assert (e.align, e.uniform_inter, e.align_before_repair) == (32, False, False)
     assert (c.chunk_len, c.held_chunks, c.calib_chunks, c.chunks_per_doc) == (256, 12, 240, 1)
+
+
+def test_the_default_shrinks_to_a_stock_loadable_model():
+    cfg = compose()
+    assert cfg.phase_a.target_sparsity >= 0.2  # make bake: at least 20% of the FFN removed
+    assert cfg.export.uniform_inter and cfg.export.align_before_repair  # met after alignment
 
 
 @pytest.mark.parametrize(
@@ -85,6 +99,14 @@ def test_validation_reports_every_problem_with_its_path():
     ):
         assert path in text
     assert len(err.value.problems) == 7
+
+
+def test_a_target_no_aligned_structure_meets_is_refused_naming_it():
+    cfg = compose(["model=tiny", "phase_a.target_sparsity=0.85", "export.align=32"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)  # 160 neurons per layer: one multiple of 32 keeps 20%, 80% pruned at most
+    assert "phase_a.target_sparsity=0.85: cannot be met with export.align=32" in str(err.value)
+    validate(compose(["model=tiny", "phase_a.target_sparsity=0.8", "export.align=32"]))
 
 
 def test_shape_checks_read_metadata_only():

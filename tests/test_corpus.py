@@ -25,6 +25,7 @@ def ccfg(**kw):
         "chunk_len": 32,
         "held_chunks": 6,
         "calib_chunks": 24,
+        "test_chunks": 0,
         "chunks_per_doc": 1,
     }
     base.update(kw)
@@ -120,7 +121,8 @@ def test_jsonl_source(tmp_path):
     path.write_text("\n".join(rows) + "\n")
     c = load(ccfg(source="jsonl", path=str(path)), tmp_path)
     assert c.calib.shape == (24, 32)
-    assert c.skipped == {"not valid JSON": 1, "no string field 'text'": 1}
+    assert c.rejected_lines == {"not valid JSON": 1, "no string field 'text'": 1}
+    assert c.skipped == {}  # every line that is a document was usable
 
 
 def test_stdlib_is_the_default_source(tmp_path):

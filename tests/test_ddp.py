@@ -43,6 +43,8 @@ def single_process_reference(cfg, cache, steps: int, world: int) -> torch.Tensor
 @pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_averaging_their_chunks(tmp_path, docs_dir):
     extra = (
+        "phase_a=reference",  # the recipe's sigmoid gate and L1 schedule, as the reference below
+        "export=reference",
         "phase_a.steps=8",
         "phase_a.eval_every=8",
         "phase_b.enabled=false",

@@ -179,7 +179,8 @@ def test_checkpoint_of_another_model_is_refused_on_resume(tmp_path, docs_dir, ca
     assert run_bake([*args_a, interrupt("a", 12)]) == 130
     assert run_bake([*args_b, interrupt("a", 12)]) == 130
     run_a, run_b = last_run(tmp_path / "a"), last_run(tmp_path / "b")
-    shutil.copy(run_b / "checkpoints/phase_a/last.ckpt", run_a / "checkpoints/phase_a/last.ckpt")
+    for name in ("last.ckpt", "last.ckpt.sha256"):  # an intact file, of another model
+        shutil.copy(run_b / "checkpoints/phase_a" / name, run_a / "checkpoints/phase_a" / name)
     capsys.readouterr()
     assert run_bake([*args_a, f"resume={run_a}"]) == 1
     err = capsys.readouterr().err
@@ -206,6 +207,7 @@ def test_load_baked_refuses_a_mismatched_artifact(tmp_path, docs_dir):
             tiny_args(
                 tmp_path / "b",
                 docs_dir,
+                "phase_a=reference",
                 "phase_a.target_sparsity=0.0",
                 "phase_a.steps=8",
                 "export.uniform_inter=true",

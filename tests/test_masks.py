@@ -56,22 +56,46 @@ def test_closed_since_names_virtual_layer_and_index():
 
 def test_selection_lowest_ppl_at_target_zero_first_on_ties():
     evals = [(12.0, 0.0), (11.5, 0.01), (11.5, 0.02), (13.0, 0.05)]
-    assert masks.select(evals, 0.0) == 1
+    assert masks.select(evals, 0.0) == masks.Choice(1, False)
 
 
 def test_selection_respects_the_target_and_falls_back_to_first_sparsest():
     evals = [(11.0, 0.05), (12.0, 0.21), (11.9, 0.25), (30.0, 0.3)]
-    assert masks.select(evals, 0.2) == 2
+    assert masks.select(evals, 0.2) == masks.Choice(2, False)
     below = [(11.0, 0.05), (12.0, 0.10), (13.0, 0.10), (12.5, 0.08)]
-    i = masks.select(below, 0.2)
-    assert i == 1 and masks.fell_back(*below[i], 0.2)
-    assert masks.select([], 0.2) is None
+    assert masks.select(below, 0.2) == masks.Choice(1, True)
+    assert masks.select([], 0.2) == masks.Choice(None, False)
 
 
-def test_selection_score_matches_select():
-    evals = [(11.0, 0.05), (12.0, 0.21), (11.9, 0.25), (math.inf, 0.4)]
-    scores = [masks.selection_score(p, s, 0.2) for p, s in evals]
-    assert scores.index(min(scores)) == masks.select(evals, 0.2) == 2
+# The reference (skillbake.rs) starts `best` at f64::MAX and compares strictly, tracks the
+# fall-back with `sp > max_sp` from 0.0, and keeps its FINAL logits when neither took anything.
+@pytest.mark.parametrize(
+    "evals, target, want",
+    [
+        ([(2e9, 0.3), (11.0, 0.1)], 0.2, masks.Choice(0, False)),  # a huge ppl still qualifies
+        ([(math.nan, 0.3), (12.0, 0.25)], 0.2, masks.Choice(1, False)),  # NaN never does
+        ([(math.inf, 0.3), (math.inf, 0.25)], 0.2, masks.Choice(0, True)),  # inf neither
+        ([(10.0, 0.0), (9.0, 0.0)], 0.2, masks.Choice(None, False)),  # all at 0%: final logits
+        ([(math.nan, 0.0), (math.nan, 0.0)], 0.0, masks.Choice(None, False)),
+        ([(math.nan, 0.0), (9.5, 0.0)], 0.0, masks.Choice(1, False)),
+        ([(9.0, 0.3 - 1e-15)], 0.3, masks.Choice(0, False)),  # float rounding of 0.3 counts
+    ],
+)
+def test_selection_edge_cases_follow_the_reference(evals, target, want):
+    assert masks.select(evals, target) == want
+
+
+def test_repair_selection_is_the_first_strict_minimum_below_the_start():
+    assert masks.select_repair([10.5, 10.0], 10.0) is None
+    assert masks.select_repair([10.5, 9.9, 9.9, 9.95], 10.0) == 1
+    assert masks.select_repair([math.nan, 9.0], 10.0) == 1  # a NaN first never hides the rest
+    assert masks.select_repair([], 10.0) is None
+
+
+def test_target_schedule_ramps_then_holds():
+    got = [masks.target_at(s, 100, 0.3, 0.5) for s in (0, 25, 50, 75, 99)]
+    assert got == pytest.approx([0.0, 0.15, 0.3, 0.3, 0.3])
+    assert masks.target_at(0, 100, 0.3, 0.0) == 0.3
 
 
 def test_cosine_scale_values():
@@ -151,3 +175,73 @@ def test_keep_masks_properties(rows, inter, align, uniform, seed):
 def test_physical_keep_is_the_union_over_visits():
     visits = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 1]], dtype=torch.bool)
     assert masks.physical_keep(visits, 2).int().tolist() == [[1, 1, 0], [0, 0, 1]]
+
+
+# -- target_keep: the target holds after alignment -------------------------------------------
+@settings(max_examples=150, deadline=None)
+@given(
+    rows=st.integers(1, 6),
+    inter=st.integers(8, 200),
+    align=st.sampled_from([0, 1, 8, 16, 32]),
+    uniform=st.booleans(),
+    target=st.floats(0.05, 0.6),
+    shift=st.floats(-2.0, 3.0),
+    seed=st.integers(0, 10_000),
+)
+def test_target_keep_meets_the_target_after_alignment(
+    rows, inter, align, uniform, target, shift, seed
+):
+    logits = torch.randn(rows, inter, generator=torch.Generator().manual_seed(seed)) + shift
+    narrowest = min(max(align, 1), inter)
+    budget = math.floor((1 - target) * rows * inter + 1e-9)
+    if narrowest * rows > budget:
+        with pytest.raises(ValueError):
+            masks.target_keep(logits, 0.5, target, align, uniform)
+        return
+    keep = masks.target_keep(logits, 0.5, target, align, uniform)
+    counts = kept(keep)
+    assert sum(counts) <= budget  # the promise: at least `target` of the neurons removed
+    assert masks.reaches(masks.sparsity(keep), target)
+    for r, k in enumerate(counts):
+        assert k >= narrowest and (k == inter or align <= 1 or k % align == 0)
+        if 0 < k < inter:  # each row keeps its highest logits
+            assert logits[r][keep[r]].min() >= logits[r][~keep[r]].max()
+    if uniform:
+        assert len(set(counts)) == 1
+    alive = masks.alive(logits, 0.5)
+    if not uniform and align <= 1 and int(alive.sum()) <= budget and alive.any(dim=1).all():
+        assert torch.equal(keep, alive)  # already sparse enough: nothing dropped or revived
+
+
+def test_target_keep_drops_the_globally_lowest_logits():
+    logits = torch.tensor([[3.0, 2.0, 1.0, 0.5], [4.0, 0.6, 0.7, 0.8]])
+    keep = masks.target_keep(logits, 0.5, 0.25, 1, False)  # 8 alive, budget 6
+    assert keep.tolist() == [[True, True, True, False], [True, False, True, True]]
+
+
+def test_target_keep_rounds_up_where_the_budget_allows_and_down_elsewhere():
+    # 2 rows x 64: row 0 has 40 alive, row 1 has 60 alive; target 0.25 -> at most 96 kept.
+    l0 = torch.tensor([1.0 - i * 0.01 if i < 40 else -1.0 - i * 0.01 for i in range(64)])
+    l1 = torch.tensor([1.0 - i * 0.01 if i < 60 else -1.0 - i * 0.01 for i in range(64)])
+    keep = masks.target_keep(torch.stack([l0, l1]), 0.5, 0.25, 16, False)
+    assert kept(keep) == [48, 48]  # 40 -> 48 up; 60 -> 48 down: 64 would exceed 96
+    keep = masks.target_keep(torch.stack([l0, l1]), 0.5, 0.25, 16, True)
+    assert kept(keep) == [48, 48]  # uniform: the reference's 64 does not fit, 48 does
+    with pytest.raises(ValueError):
+        masks.target_keep(torch.stack([l0, l1]), 0.5, 0.8, 32, False)
+
+
+def test_target_zero_is_the_references_keep_masks():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
+    for align, uniform in ((32, False), (16, True), (1, False)):
+        assert torch.equal(
+            masks.target_keep(logits, 0.5, 0.0, align, uniform),
+            masks.keep_masks(logits, 0.5, align, uniform),
+        )
+
+
+def test_ship_rule_ranked_ignores_tau():
+    logits = torch.full((2, 10), -5.0)  # nothing above tau
+    logits[:, :3] = -4.0
+    ranked = masks.ShipRule(0.5, 1, True, 0.5, ranked=True).keep(logits)
+    assert kept(ranked) == [5, 5] and ranked[:, :3].all()

@@ -126,6 +126,10 @@ def write_nanbeige(folder, loops=2, skip_norm=False):
     )
     torch.manual_seed(3)
     lm = LlamaForCausalLM(cfg)
+    with torch.no_grad():  # norms far from 1, so a dropped or misplaced norm shows
+        for name, p in lm.named_parameters():
+            if "norm" in name:
+                p.copy_(1.0 + 0.3 * torch.randn(p.shape))
     folder.mkdir(parents=True, exist_ok=True)
     state = {k: v.to(torch.bfloat16).contiguous() for k, v in lm.state_dict().items()}
     half = len(state) // 2

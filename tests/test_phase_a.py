@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from omegaconf import OmegaConf
@@ -209,9 +211,108 @@ def test_checkpoint_size_does_not_grow_with_the_backbone(tmp_path):
     assert ckpt["bake"]["eval_logits"].shape == (3, 3, 128)
 
 
-def test_best_checkpoint_is_the_selected_evaluation(tmp_path):
-    module, _ = fit_phase_a(tmp_path, steps=8, eval_every=2, l1_mult=30.0, target_sparsity=0.05)
-    pairs = [(e.held_ppl, e.sparsity) for e in module.evaluations]
-    i = masks.select(pairs, 0.05)
+class Scripted:
+    """Makes each evaluation of a PhaseA report a scripted (held_ppl, sparsity): the module's
+    own end-of-evaluation code then selects and ModelCheckpoint saves best.ckpt."""
+
+    def __init__(self, module, script):
+        self.script, self.module = list(script), module
+        module.on_validation_epoch_start = self.start
+        module.validation_step = lambda batch, batch_idx: None
+
+    def start(self):
+        ppl, sp = self.script.pop(0)
+        m = self.module
+        keep = torch.ones(m.logits.shape, dtype=torch.bool)
+        keep.view(-1)[: math.ceil(sp * keep.numel())] = False
+        m._keep = keep
+        m._nll, m._count = math.log(ppl) * 100, 100
+
+
+# Expected indices worked out by hand from the reference's rule (skillbake.rs), not by bake.
+@pytest.mark.parametrize(
+    "target, script, want, fell_back",
+    [
+        (0.2, [(10.0, 0.05), (9.0, 0.1), (12.0, 0.25), (11.0, 0.3), (11.0, 0.3)], 3, False),
+        (0.5, [(10.0, 0.05), (9.0, 0.3), (12.0, 0.3), (8.0, 0.2)], 1, True),
+        (0.0, [(10.0, 0.05), (9.0, 0.1), (9.0, 0.3), (9.5, 0.4)], 1, False),
+    ],
+)
+def test_best_checkpoint_is_the_selected_evaluation(tmp_path, target, script, want, fell_back):
+    from bake.phases.results import PhaseAResult
+
+    stack = tiny(dtype=torch.float32)
+    s = settings(steps=2 * len(script), eval_every=2, target_sparsity=target)
+    g = torch.Generator().manual_seed(5)
+    calib, held = (
+        torch.randint(0, 256, (12, 16), generator=g),
+        torch.randint(0, 256, (4, 16), generator=g),
+    )
+    init = torch.full((stack.num_virtual, stack.inter), 2.0)
+    module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
+    Scripted(module, script)
+    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select").fit(module)
+    assert [round(e.held_ppl, 6) for e in module.evaluations] == [p for p, _ in script]
+    assert [e.sparsity for e in module.evaluations] == pytest.approx(
+        [sp for _, sp in script], abs=3e-3
+    )
     best = torch.load(tmp_path / "ckpt" / "best.ckpt", weights_only=True)["state_dict"]["logits"]
-    assert torch.equal(best, module.eval_logits[i])
+    assert torch.equal(best, module.eval_logits[want])
+    assert not torch.equal(best, module.eval_logits[want - 1])  # the steps changed the logits
+    sel = PhaseAResult.from_module(module, 0.0).select(target)
+    assert sel.index == want and sel.fell_back == fell_back
+    assert torch.equal(sel.logits, best)
+    assert math.isfinite(sel.evaluation["held_ppl"])
+
+
+def test_no_qualifying_evaluation_keeps_the_final_mask_as_the_reference_does(tmp_path):
+    from bake.phases.results import PhaseAResult
+
+    stack = tiny(dtype=torch.float32)
+    s = settings(steps=6, eval_every=2, target_sparsity=0.3)
+    g = torch.Generator().manual_seed(5)
+    calib, held = (
+        torch.randint(0, 256, (12, 16), generator=g),
+        torch.randint(0, 256, (4, 16), generator=g),
+    )
+    init = torch.full((stack.num_virtual, stack.inter), 2.0)
+    module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
+    Scripted(module, [(10.0, 0.0), (9.0, 0.0), (9.5, 0.0)])
+    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select").fit(module)
+    sel = PhaseAResult.from_module(module, 0.0).select(0.3)
+    assert sel.index is None and torch.equal(sel.logits, module.logits.detach())
+    assert "using the final mask" in sel.note
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_controller_reaches_the_target_on_schedule(tmp_path, loops):
+    """The hard structure of every step is the scheduled sparsity, aligned; evaluations score
+    the structure that ships at the target."""
+    stack = tiny(loops=loops, dtype=torch.float32)
+    rule = masks.ShipRule(0.25, 8, True, 0.5, ranked=True)
+    s = settings(
+        steps=8, eval_every=2, target_sparsity=0.25, controller=True, ramp=0.5, ship=rule,
+        l1_mult=0.0, straight_through=True,
+    )  # fmt: skip
+    seen = []
+    g = torch.Generator().manual_seed(5)
+    calib, held = (
+        torch.randint(0, 256, (12, 16), generator=g),
+        torch.randint(0, 256, (4, 16), generator=g),
+    )
+    init = torch.randn(stack.num_virtual, stack.inter, generator=g) + 2.0
+    module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
+    gates = module.gates
+
+    def spy():
+        out = gates()
+        seen.append(masks.sparsity(out.detach() > 0.5))
+        return out
+
+    module.gates = spy
+    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select").fit(module)
+    # 128 neurons per row, align 8: 0, 0.0625, 0.125, 0.1875 (ramp), then 0.25
+    assert seen == pytest.approx([0.0, 0.0625, 0.125, 0.1875, 0.25, 0.25, 0.25, 0.25])
+    assert all(e.sparsity == pytest.approx(0.25) for e in module.evaluations)
+    moved = (module.logits.detach() - init).abs()
+    assert moved.max() > 0.05  # the logits of kept and dropped neurons both learn

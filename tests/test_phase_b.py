@@ -11,7 +11,6 @@ from test_phase_a import tcfg, tiny
 from bake import masks
 from bake.phases.common import Identity, make_trainer
 from bake.phases.phase_b import PhaseB, PhaseBSettings, lr_at
-from bake.pipeline import phase_b_outcome
 
 
 @pytest.mark.parametrize("loops", [1, 2])
@@ -33,7 +32,7 @@ def test_learning_rate_is_cosine_over_loops(tmp_path, loops):
         return original(optimizer)
 
     module.on_before_optimizer_step = spy
-    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_b/held_ppl").fit(module)
+    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_b/select").fit(module)
     expected = [1e-3 * masks.cosine_scale(k, 6) / loops for k in range(6)]
     assert seen == pytest.approx(expected, rel=1e-9)
     assert [lr_at(k, s, loops) for k in range(6)] == pytest.approx(expected)
@@ -43,18 +42,52 @@ def test_learning_rate_is_cosine_over_loops(tmp_path, loops):
     assert not w0.requires_grad  # the backbone untouched
 
 
-def test_only_a_strictly_better_evaluation_restores_the_copies():
-    copies = {f"ffn.{i}": torch.full((2, 2), float(i)) for i in range(6)}
-    evals = [{"step": 3, "held_ppl": 10.5}, {"step": 6, "held_ppl": 10.0}]
-    trained, ppl, info = phase_b_outcome(evals, copies, 10.0, [4, 5])
-    assert trained is None and ppl == 10.0 and not info["improved"]
-    assert "not below the masked 10.000" in info["note"]
-    trained, ppl, info = phase_b_outcome(evals, copies, 10.01, [4, 5])
-    assert info["improved"] and ppl == 10.0
-    assert sorted(trained) == [4, 5] and trained[5][2].flatten()[0] == 5.0
-    trained, ppl, info = phase_b_outcome([], None, 10.0, [4, 5])
-    assert trained is None and "no evaluation was made" in info["note"]
-    assert math.isfinite(ppl)
+def _fit_phase_b(tmp_path, baseline: float, record: list):
+    stack = tiny(dtype=torch.float32)
+    s = PhaseBSettings(steps=6, lr=3e-3, layers=2, eval_every=2, eval_batch_size=4)
+    s.baseline = baseline
+    g = torch.Generator().manual_seed(0)
+    calib, held = (
+        torch.randint(0, 256, (12, 16), generator=g),
+        torch.randint(0, 256, (4, 16), generator=g),
+    )
+    gates = torch.ones(stack.num_virtual, stack.inter)
+    module = PhaseB(stack, calib, held, s, gates, Identity("tiny", "b"))
+    end = module.on_validation_epoch_end
+
+    def spy():
+        record.append({li: [w.detach().clone() for w in ws] for li, ws in module.copies().items()})
+        end()
+
+    module.on_validation_epoch_end = spy
+    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_b/select").fit(module)
+    return module
+
+
+@pytest.mark.parametrize("below", [True, False])
+def test_the_kept_evaluation_is_restored_from_best_ckpt_only_when_strictly_better(tmp_path, below):
+    from bake.phases.common import best_state
+    from bake.phases.stage_b import Repaired, outcome
+
+    record: list = []
+    probe = _fit_phase_b(tmp_path / "probe", math.inf, [])
+    ppls = [e["held_ppl"] for e in probe.evaluations]
+    baseline = max(ppls) + 1.0 if below else min(ppls)  # min: no evaluation is STRICTLY below
+    module = _fit_phase_b(tmp_path / "run", baseline, record)
+    assert [e["held_ppl"] for e in module.evaluations] == ppls  # the same run
+    start = Repaired(None, baseline)
+    best = best_state(tmp_path / "run" / "ckpt")
+    out = outcome(module.evaluations, module.choice(), best, start, module.layer_ids)
+    if not below:
+        assert out.ffn is None and out.ppl == baseline and not out.info["improved"]
+        assert f"not below {baseline:.3f}" in out.info["note"]
+        return
+    want = min(range(len(ppls)), key=lambda i: (ppls[i], i))  # first strict minimum, by hand
+    assert out.info["improved"] and out.ppl == ppls[want]
+    for li in module.layer_ids:
+        for got, ref in zip(out.ffn[li], record[want][li], strict=True):
+            assert torch.equal(got, ref)
+    assert not all(torch.equal(a, b) for a, b in zip(record[0][2], record[-1][2], strict=True))
 
 
 @pytest.mark.parametrize("gate_grad", [True, False])

@@ -19,8 +19,6 @@ from conftest import (
 )
 from safetensors.torch import load_file
 
-from bake import masks
-
 
 def client(outputs):
     from mlflow import MlflowClient
@@ -41,10 +39,13 @@ def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, mon
     assert len(found) == 1
     run = found[0]
     assert run.info.status == "FINISHED"
-    assert run.data.tags["mlflow.runName"] == "tiny glob=" + f"{docs_dir}/*.py".split("=")[-1] + (
-        " chunk_len=32 held_chunks=6 calib_chunks=24 steps=24 eval_every=8 lr=0.4 l1_mult=20"
-        " steps=8 eval_every=4 layers=2 eval_batch_size=4 target_sparsity=0.1"
-    ) or run.data.tags["mlflow.runName"].startswith("tiny ")
+    name = run.data.tags["mlflow.runName"]
+    # The model, then whole overrides with their group prefix while the name stays short.
+    given = tiny_args(tmp_path / "out", docs_dir, "phase_a.target_sparsity=0.1")
+    assert name.startswith("tiny corpus=text_files ") and name.endswith(" …")
+    assert "corpus.chunk_len=32" in name and len(name) <= 56
+    assert all(part in given for part in name.split()[1:-1])
+    assert exp.tags["mlflow.experimentKind"] == "custom_model_development"
     assert run.data.tags["bake.model"] == "tiny" and run.data.tags["bake.corpus"] == "text_files"
     assert "mlflow.source.git.commit" in run.data.tags
     hist = c.get_metric_history(run.info.run_id, "phase_a/held_ppl")
@@ -55,7 +56,8 @@ def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, mon
         24,
     ]
     assert [m.step for m in c.get_metric_history(run.info.run_id, "phase_a/l1")] == [8, 16, 24]
-    assert [m.step for m in c.get_metric_history(run.info.run_id, "phase_b/held_ppl")] == [4, 8]
+    # Phase B's steps 4 and 8 follow Phase A's 24 on the one global step axis.
+    assert [m.step for m in c.get_metric_history(run.info.run_id, "phase_b/held_ppl")] == [28, 32]
     metrics = run.data.metrics
     for key in (
         "final/backbone_ppl",
@@ -68,7 +70,10 @@ def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, mon
     ):
         assert key in metrics, key
     rep = report(last_run(tmp_path / "out"))
-    assert metrics["final/exported_ppl"] == pytest.approx(rep["perplexity"]["exported"])
+    # As the runs table shows them: 6 significant digits (report.json keeps every digit).
+    assert metrics["final/exported_ppl"] == float(f"{rep['perplexity']['exported']:.6g}")
+    assert metrics["final/params_after"] == rep["parameters"]["after"]
+    assert metrics["final/seconds"] == float(f"{rep['seconds']['total']:.6g}")
     params = run.data.params
     assert params["phase_a.target_sparsity"] == "0.1" and params["model.name"] == "tiny"
     assert "resume" not in params and "phase_b.layers" in params
@@ -80,20 +85,31 @@ def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, mon
     assert not (tmp_path / "mlruns").exists()
 
 
+REFERENCE = ("phase_a=reference", "export=reference", "phase_a.lr=0.4", "phase_a.l1_mult=20")
+
+
 def test_phase_a_is_trained_once_across_target_sparsities(tmp_path, docs_dir):
-    assert run_bake(tiny_args(tmp_path, docs_dir, "phase_a.target_sparsity=0.1")) == 0
+    """The reference recipe's training does not depend on the target: one Phase A serves a
+    target sweep (with the target in the key where it does; see test_cache_keys)."""
+    assert run_bake(tiny_args(tmp_path, docs_dir, *REFERENCE, "phase_a.target_sparsity=0.1")) == 0
     first = report(last_run(tmp_path))
     assert "reusing the cached result" not in (last_run(tmp_path) / "bake.log").read_text()
-    assert run_bake(tiny_args(tmp_path, docs_dir, "phase_a.target_sparsity=0.4")) == 0
+    assert run_bake(tiny_args(tmp_path, docs_dir, *REFERENCE, "phase_a.target_sparsity=0.4")) == 0
     second = report(last_run(tmp_path))
     assert "reusing the cached result" in (last_run(tmp_path) / "bake.log").read_text()
     assert not first["phase_a"]["cached"] and second["phase_a"]["cached"]
     assert first["phase_a"]["evaluations"] == second["phase_a"]["evaluations"]
-    evals = [(e["held_ppl"], e["sparsity"]) for e in first["phase_a"]["evaluations"]]
+    sparsities = [e["sparsity"] for e in first["phase_a"]["evaluations"]]
+    assert len(set(sparsities)) == 3  # the evaluations differ: the selection has a choice
     for rep, target in ((first, 0.1), (second, 0.4)):
-        i = masks.select(evals, target)
-        assert rep["phase_a"]["selected_step"] == first["phase_a"]["evaluations"][i]["step"]
-        assert rep["phase_a"]["fell_back"] == masks.fell_back(*evals[i], target)
+        evals = rep["phase_a"]["evaluations"]
+        ok = [i for i, e in enumerate(evals) if e["sparsity"] >= target]
+        if ok:  # the lowest perplexity among those that reach the target
+            want = min(ok, key=lambda i: (evals[i]["held_ppl"], i))
+        else:  # else the first of the sparsest
+            want = sparsities.index(max(sparsities))
+        assert rep["phase_a"]["selected_step"] == evals[want]["step"]
+        assert rep["phase_a"]["fell_back"] == (not ok)
 
 
 @pytest.mark.parametrize("phase, step", [("a", 12), ("b", 6)])
@@ -125,9 +141,9 @@ def test_resume_refuses_other_settings_naming_them(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir)
     assert run_bake([*args, interrupt("a", 4)]) == 130
     run = last_run(tmp_path)
-    assert run_bake([*args, "phase_a.lr=0.2", f"resume={run}"]) == 1
+    assert run_bake([*args, "phase_a.tau=0.6", f"resume={run}"]) == 1
     err = capsys.readouterr().err
-    assert "phase_a.lr: 0.4 -> 0.2" in err and "same overrides" in err
+    assert "phase_a.tau: 0.5 -> 0.6" in err and "same overrides" in err
 
 
 def test_a_new_run_never_overwrites_an_existing_one(tmp_path, docs_dir, capsys):
@@ -169,8 +185,24 @@ def test_sweep_has_a_parent_children_and_a_summary_even_with_a_failure(tmp_path,
     ok = next(r for r in children if r.info.status == "FINISHED")
     assert len(c.get_metric_history(ok.info.run_id, "phase_a/held_ppl")) == 3
     arts = {a.path for a in c.list_artifacts(parent.info.run_id)}
-    assert {"summary.txt", "sweep_ppl_vs_sparsity.png"} <= arts
+    assert {"summary.txt", "sweep_ppl_vs_sparsity.png", "sweep_table.json"} <= arts
     assert "sweep summary (2 jobs)" in proc.stdout
+    # Names lead with the swept value and key; the console summary prints them whole.
+    names = sorted(r.data.tags["mlflow.runName"] for r in children)
+    assert names[0].startswith("6 · corpus.held_chunks=6 tiny ")
+    assert names[1].startswith("79 · corpus.held_chunks=79 tiny ")
+    assert all(n in proc.stdout for n in names)
+    # The parent: the sweep's settings, the finished child's metrics, the table as description.
+    params = parent.data.params
+    assert params["corpus.held_chunks"] == "6,79" and params["corpus.chunk_len"] == "32"
+    assert params["sweep.swept"] == "corpus.held_chunks" and params["model.name"] == "tiny"
+    for key in ("final/exported_ppl", "final/masked_ppl", "final/pruned_ratio"):
+        assert parent.data.metrics[key] == ok.data.metrics[key], key
+    assert parent.data.tags["bake.best_run_id"] == ok.info.run_id
+    note = parent.data.tags["mlflow.note.content"]
+    assert note.startswith("**Sweep over `corpus.held_chunks`**: 2 jobs, 1 failed.")
+    assert all(f"| {n} |" in note for n in names)
+    assert parent.data.tags["mlflow.runName"].startswith("sweep corpus.held_chunks=6,79 tiny ")
     assert list((out / "multirun").glob("*/*/0")) and not (tmp_path / "multirun").exists()
 
 
@@ -189,3 +221,25 @@ def test_single_run_subprocess_prints_summary_and_ui_command(tmp_path, docs_dir)
     )
     run = last_run(tmp_path / "out")
     assert {"report.json", "masks.safetensors", "model"} <= {p.name for p in run.iterdir()}
+
+
+def test_metrics_are_rounded_to_what_a_person_reads_and_counts_stay_exact():
+    from bake.tracking import rounded
+
+    assert rounded(259.53312683105469) == 259.533
+    assert rounded(0.17500000000000002) == 0.175
+    assert rounded(8.894123) == 8.89412 and rounded(1.0416e-05) == 1.0416e-05
+    assert rounded(134515008) == 134515008.0  # a parameter count is never rounded
+
+
+def test_an_experiment_made_before_opens_in_the_model_training_view(tmp_path):
+    from omegaconf import OmegaConf
+
+    from bake.tracking import experiment_id
+
+    c = client(tmp_path)
+    made = c.create_experiment("bake")
+    assert "mlflow.experimentKind" not in c.get_experiment(made).tags
+    tcfg = OmegaConf.create({"experiment": "bake", "artifact_location": None})
+    assert experiment_id(c, tcfg) == made
+    assert c.get_experiment(made).tags["mlflow.experimentKind"] == "custom_model_development"

@@ -11,13 +11,13 @@ Returns the exported model's held-out perplexity to a sweeper (NaN for a failed 
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import hydra
 
 from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
+from bake.layout import CONFIG_NAME, conf_dir
 
-CONF_DIR = str(Path(__file__).resolve().parents[2] / "conf")
+CONF_DIR = str(conf_dir())  # the wheel's bake/conf, or the checkout's conf/
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
@@ -29,6 +29,13 @@ def _hydra_main(cfg) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     """Run bake with command-line ``argv`` in this process; returns the exit code."""
+    if not (conf_dir() / CONFIG_NAME).is_file():
+        print(
+            f"bake: its configuration is missing ({CONF_DIR} has no {CONFIG_NAME}); reinstall "
+            f"bake (`pip install .` from a checkout ships conf/ inside the package)",
+            file=sys.stderr,
+        )
+        return 1
     saved = sys.argv
     sys.argv = ["bake", *(sys.argv[1:] if argv is None else argv)]
     try:
@@ -36,6 +43,9 @@ def main(argv: list[str] | None = None) -> int:
     except SystemExit as exc:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
+    except KeyboardInterrupt:  # a sweep's Ctrl-C (a single run turns it into exit 130 itself)
+        print("bake: interrupted", file=sys.stderr)
+        return 130
     finally:
         sys.argv = saved
     return 0

@@ -2,12 +2,14 @@
 
 Three formats, named in config.json under ``bake.format``:
 
-- ``stock``: every layer keeps the same count and the model is not looped; config.json is a
-  stock config with a smaller ``intermediate_size``, so plain
-  ``transformers.AutoModelForCausalLM.from_pretrained`` loads it (and so does this function).
+- ``stock``: every layer keeps the same count and the model is not looped; config.json is the
+  source's own (its ``model_type``, ``architectures`` and every family field) with a smaller
+  ``intermediate_size``, so plain ``transformers.AutoModelForCausalLM.from_pretrained`` loads
+  it (and so does this function).
 - ``per_layer``: layers keep different counts; config.json lists them under transformers'
-  ``per_layer_config`` key. transformers 5 parses that key but its Llama model refuses it, so
-  this function builds the per-layer MLPs itself and returns a LlamaForCausalLM.
+  ``per_layer_config`` key. transformers 5 parses that key but its decoder classes refuse it, so
+  this function builds the source family's class (``Qwen3ForCausalLM``, ...) with per-layer
+  MLP widths itself; ``generate()`` works on it as on any transformers model.
 - ``looped``: a looped model keeps a mask per VISIT that the stock runtime cannot express;
   this function returns a :class:`LoopedCausalLM` that runs the loop with those masks.
 """
@@ -16,20 +18,34 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from bake.errors import BakeError
+from bake.models import family as families
 from bake.models.meta import layer_widths
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+    from transformers.modeling_outputs import CausalLMOutput
+
 VISIT_MASKS = "visit_masks.safetensors"
+_NOT_CONFIG = ("bake", "per_layer_config", "auto_map", "model_type")
 
 
 class LoopedCausalLM(nn.Module):
-    """A looped export: the stack run ``loops`` times, each visit with its own neuron mask."""
+    """A looped export: the stack run ``loops`` times, each visit with its own neuron mask.
 
-    def __init__(self, lm, loops: int, loop_norm: bool, visit_gates: list[torch.Tensor]):
+    ``model(input_ids).logits`` and ``model.generate(input_ids, max_new_tokens=...)`` work as
+    on a transformers model (without padding masks or a KV cache: each new token reruns the
+    sequence, since a cache would need one slot per visit rather than per layer).
+    """
+
+    def __init__(
+        self, lm: PreTrainedModel, loops: int, loop_norm: bool, visit_gates: list[torch.Tensor]
+    ):
         super().__init__()
         self.lm = lm
         self.loops, self.loop_norm = loops, loop_norm
@@ -46,32 +62,56 @@ class LoopedCausalLM(nn.Module):
     def gates(self) -> list[torch.Tensor]:
         return list(self.visit_gates)
 
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """Logits [batch, seq, vocab] of ``input_ids`` [batch, seq]."""
+    @property
+    def device(self) -> torch.device:
+        return self.lm.device
+
+    def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
+        """``.logits`` [batch, seq, vocab] of ``input_ids`` [batch, seq]."""
+        from transformers.modeling_outputs import CausalLMOutput
+
         hn = self.stack().hidden(input_ids, self.gates())
-        return self.lm.lm_head(hn)
+        return CausalLMOutput(logits=self.lm.lm_head(hn))
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        input_ids: torch.Tensor,
+        max_new_tokens: int = 32,
+        do_sample: bool = False,
+        temperature: float = 1.0,
+        top_k: int | None = None,
+        eos_token_id: int | None = None,
+        generator: torch.Generator | None = None,
+    ) -> torch.Tensor:
+        """``input_ids`` [batch, seq] followed by up to ``max_new_tokens`` tokens: greedy, or
+        sampled at ``temperature`` from the ``top_k`` most likely. A row that produced
+        ``eos_token_id`` (default: the config's) is padded with it."""
+        eos = self.config.eos_token_id if eos_token_id is None else eos_token_id
+        eos = eos[0] if isinstance(eos, list) else eos
+        ids = input_ids.to(self.device)
+        done = torch.zeros(ids.shape[0], dtype=torch.bool, device=ids.device)
+        for _ in range(max_new_tokens):
+            logits = self(ids).logits[:, -1].float()
+            if do_sample:
+                logits = logits / max(temperature, 1e-6)
+                if top_k is not None:
+                    kth = torch.topk(logits, min(top_k, logits.shape[-1])).values[:, -1:]
+                    logits = logits.masked_fill(logits < kth, -torch.inf)
+                probs = logits.softmax(-1)
+                nxt = torch.multinomial(probs, 1, generator=generator).squeeze(1)
+            else:
+                nxt = logits.argmax(-1)
+            if eos is not None:
+                nxt = torch.where(done, torch.full_like(nxt, eos), nxt)
+                done |= nxt == eos
+            ids = torch.cat([ids, nxt[:, None]], dim=1)
+            if eos is not None and bool(done.all()):
+                break
+        return ids
 
 
-def _skeleton(cfg: dict, widths: list[int]):
-    from transformers import LlamaConfig, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
-
-    plain = {k: v for k, v in cfg.items() if k not in ("per_layer_config", "bake", "auto_map")}
-    plain["model_type"] = "llama"
-    plain["intermediate_size"] = max(widths)
-    config = LlamaConfig(**{k: v for k, v in plain.items() if k != "model_type"})
-    config._attn_implementation = "sdpa"
-    with torch.device("meta"):
-        lm = LlamaForCausalLM(config)
-        for layer, width in zip(lm.model.layers, widths, strict=True):
-            h = config.hidden_size
-            layer.mlp.gate_proj = nn.Linear(h, width, bias=config.mlp_bias)
-            layer.mlp.up_proj = nn.Linear(h, width, bias=config.mlp_bias)
-            layer.mlp.down_proj = nn.Linear(width, h, bias=config.mlp_bias)
-    return lm, config, LlamaRotaryEmbedding
-
-
-def _load_weights(lm, path: Path, tied: bool) -> None:
+def _load_weights(lm: PreTrainedModel, path: Path, tied: bool) -> None:
     from safetensors.torch import load_file
 
     state = load_file(path / "model.safetensors")
@@ -99,12 +139,22 @@ def _load_weights(lm, path: Path, tied: bool) -> None:
         lm.lm_head.weight = lm.model.embed_tokens.weight
 
 
-def load_baked(path, device: str | torch.device = "cpu"):
+def _rebuild_buffers(lm: PreTrainedModel, path: Path) -> None:
+    """Non-persistent buffers (the rotary frequencies) are not in the file: compute them."""
+    rotary = lm.model.rotary_emb
+    lm.model.rotary_emb = type(rotary)(lm.config)
+    left = [name for name, t in [*lm.named_parameters(), *lm.named_buffers()] if t.is_meta]
+    if left:
+        raise BakeError(f"{path}: no values for {', '.join(left[:4])} after loading the weights")
+
+
+def load_baked(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
     """Load a bake export directory (``<run dir>/model``) as a torch module in eval mode.
 
-    Returns a transformers LlamaForCausalLM for ``stock`` and ``per_layer`` exports and a
-    :class:`LoopedCausalLM` for ``looped`` ones. Raises BakeError when the directory is not
-    a bake export or its weights do not match its config.
+    Returns the source family's transformers class (LlamaForCausalLM, Qwen3ForCausalLM, ...)
+    for ``stock`` and ``per_layer`` exports and a :class:`LoopedCausalLM` for ``looped`` ones.
+    Raises BakeError when the directory is not a bake export or its weights do not match its
+    config.
     """
     path = Path(path)
     try:
@@ -114,13 +164,18 @@ def load_baked(path, device: str | torch.device = "cpu"):
     meta = cfg.get("bake")
     if not isinstance(meta, dict) or "format" not in meta:
         raise BakeError(f"{path}: config.json has no 'bake' section; not a bake export")
+    looped = meta["format"] == "looped"
+    # Exports written before bake kept the source family were always Llama.
+    model_type = meta.get("model_type") or ("llama" if looped else cfg.get("model_type"))
+    family = families.get(model_type, f"{path / 'config.json'}")
     widths = layer_widths(cfg)
-    lm, config, rotary = _skeleton(cfg, widths)
+    plain = {k: v for k, v in cfg.items() if k not in _NOT_CONFIG}
+    lm = family.skeleton(family, plain, widths)
     _load_weights(lm, path, bool(cfg.get("tie_word_embeddings", False)))
-    lm.model.rotary_emb = rotary(config)
+    _rebuild_buffers(lm, path)
     lm.requires_grad_(False)
     lm.eval()
-    if meta["format"] != "looped":
+    if not looped:
         return lm.to(device)
     from safetensors.torch import load_file
 

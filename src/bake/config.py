@@ -43,6 +43,12 @@ class MaskInit(StrEnum):
 class PhaseAMethod(StrEnum):
     learned = "learned"  # train the mask (the recipe)
     wanda_sp = "wanda_sp"  # the Wanda-sp baseline: top-k neurons by score, no training
+    flap = "flap"  # the FLAP baseline: fluctuation metric, adaptive widths, no training
+
+
+class Controller(StrEnum):
+    none = "none"  # the recipe: the L1 schedule alone sets the pace
+    schedule = "schedule"  # the hard structure follows a sparsity ramped to the target
 
 
 class Precision(StrEnum):
@@ -85,6 +91,7 @@ class CorpusConf:
     chunk_len: int = 256
     held_chunks: int = 12
     calib_chunks: int = 240
+    test_chunks: int = 24
     chunks_per_doc: int = 1
 
 
@@ -103,6 +110,8 @@ class PhaseAConf:
     init: MaskInit = MaskInit.constant
     init_logit: float = 2.0
     eval_precision: Precision = Precision.auto
+    controller: Controller = Controller.none
+    ramp: float = 0.5
 
 
 @dataclass
@@ -111,13 +120,19 @@ class PhaseBConf:
     steps: int = 120
     lr: float = 1e-5
     layers: int = 4
+    all_layers: bool = False
+    distill: float = 0.0
     eval_every: int = 30
+    least_squares: bool = False
+    ls_chunks: int = 96
+    ls_ridge: float = 1e-3
 
 
 @dataclass
 class ExportConf:
     align: int = 32
     uniform_inter: bool = False
+    align_before_repair: bool = True
 
 
 @dataclass

@@ -1,12 +1,15 @@
-"""The task corpus: documents, a document-disjoint held-out/calibration split, token chunks.
+"""The task corpus: documents, a document-disjoint held-out/calibration/test split, chunks.
 
 Documents are read in sorted order and shuffled with the seed. The held-out set is filled
-first, then the calibration set, from DISJOINT documents, and no document gives more than
-``chunks_per_doc`` chunks: the held-out score then measures the task, not the calibration
-files. A long document gives its chunks from seeded, non-overlapping windows (of a seeded
-region, for very long ones); short documents are packed with EOS between them into one chunk
-(the rest of the last one is dropped, so that it counts once). Only as many documents as the
-run needs are tokenised, and the result is cached.
+first, then the calibration set, then the test set, from DISJOINT documents, and no document
+gives more than ``chunks_per_doc`` chunks: the held-out score then measures the task, not the
+calibration files, and the test score is made on documents that neither the training nor any
+choice made on held-out scores ever saw. A long document gives its chunks from seeded,
+non-overlapping windows (of a seeded region, for very long ones); short documents are packed
+with EOS between them into one chunk (the rest of the last one is dropped, so that it counts
+once). A document is read once, however many paths lead to it (symbolic links) and whatever
+name a copy of its content has. Only as many documents as the run needs are tokenised, and the
+result is cached.
 """
 
 from __future__ import annotations
@@ -14,17 +17,22 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import random
 import sysconfig
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bake.config import CorpusSource
 from bake.errors import BakeError
 from bake.fsutil import atomic_write
 from bake.validate import MIN_CALIB_CHUNKS
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 log = logging.getLogger("bake.corpus")
 
@@ -35,15 +43,28 @@ _SPAN_CHARS_PER_TOKEN = 16  # a long document is tokenised over a random region 
 
 @dataclass
 class Corpus:
-    """Token chunks of the held-out and calibration sets, from disjoint documents."""
+    """Token chunks of the held-out, calibration and test sets, from disjoint documents."""
 
-    held: object  # torch.LongTensor [n_held, chunk_len]
-    calib: object  # torch.LongTensor [n_calib, chunk_len]
+    held: Tensor  # [n_held, chunk_len]
+    calib: Tensor  # [n_calib, chunk_len]
+    test: Tensor  # [n_test, chunk_len] (may have no rows)
     key: str = ""  # identity of the chunks: settings, sources, tokenizer
     held_docs: list[str] = field(default_factory=list)
     calib_docs: list[str] = field(default_factory=list)
-    skipped: dict[str, int] = field(default_factory=dict)
+    test_docs: list[str] = field(default_factory=list)
+    skipped: dict[str, int] = field(default_factory=dict)  # documents read and left out
     cached: bool = False
+    rejected_lines: dict[str, int] = field(default_factory=dict)  # JSONL lines, no document
+
+    @property
+    def content_key(self) -> str:
+        """Identity of the chunks themselves: a file that was only touched (or a cache rebuilt
+        from the same text) keeps it, so results and checkpoints keyed by it stay valid."""
+        h = hashlib.sha256()
+        for t in (self.held, self.calib, self.test):
+            h.update(str(tuple(t.shape)).encode())
+            h.update(t.contiguous().numpy().tobytes())
+        return h.hexdigest()[:20]
 
 
 @dataclass
@@ -70,31 +91,44 @@ def _stdlib_docs() -> list[_Doc]:
 
 
 def _glob_docs(pattern: str) -> list[_Doc]:
-    import glob
+    """Files matching ``pattern``, each once: a file reached by several paths (symbolic links)
+    counts once, under the first path in sorted order."""
+    from bake.globbing import expand
 
-    paths = sorted(Path(p) for p in glob.glob(str(Path(pattern).expanduser()), recursive=True))
-    return [_Doc(str(p), path=p) for p in paths if p.is_file()]
+    seen: set[str] = set()
+    docs = []
+    for path in expand(pattern):
+        real = os.path.realpath(path)
+        if real not in seen:
+            seen.add(real)
+            docs.append(_Doc(str(path), path=path))
+    return docs
 
 
-def _jsonl_docs(path: str, key: str, skipped: Counter) -> list[_Doc]:
+def _jsonl_docs(path: str, key: str, rejected: Counter) -> list[_Doc]:
+    """One document per line with a string under ``key``; other lines counted in ``rejected``."""
     docs = []
     with open(Path(path).expanduser(), "rb") as fh:
         for i, raw in enumerate(fh, 1):
+            if not raw.strip():
+                rejected["blank"] += 1
+                continue
             try:
                 row = json.loads(raw)
             except (json.JSONDecodeError, UnicodeDecodeError):
-                skipped["not valid JSON"] += 1
+                rejected["not valid JSON"] += 1
                 continue
             text = row.get(key) if isinstance(row, dict) else None
             if not isinstance(text, str):
-                skipped[f"no string field '{key}'"] += 1
+                rejected[f"no string field '{key}'"] += 1
                 continue
             docs.append(_Doc(f"{Path(path).name}:{i}", text=text))
     return docs
 
 
-def list_documents(ccfg, skipped: Counter) -> list[_Doc]:
-    """Every candidate document of the corpus, in sorted order."""
+def list_documents(ccfg, rejected: Counter) -> list[_Doc]:
+    """Every candidate document of the corpus, in sorted order. ``rejected`` counts the JSONL
+    lines that are no document."""
     source = CorpusSource(ccfg.source)
     if source == CorpusSource.python_stdlib:
         docs = _stdlib_docs()
@@ -103,15 +137,22 @@ def list_documents(ccfg, skipped: Counter) -> list[_Doc]:
         docs = _glob_docs(ccfg.glob)
         where = f"corpus.glob={ccfg.glob}"
     else:
-        docs = _jsonl_docs(ccfg.path, ccfg.field, skipped)
+        docs = _jsonl_docs(ccfg.path, ccfg.field, rejected)
         where = f"corpus.path={ccfg.path}"
     if not docs:
-        raise BakeError(f"{where}: no documents found; point it at your task text")
+        why = f" ({_lines(rejected)})" if rejected else ""
+        raise BakeError(f"{where}: no documents found{why}; point it at your task text")
     return docs
 
 
-def _read(doc: _Doc, skipped: Counter) -> str | None:
-    """The document's text, or None (counted in ``skipped``) when it is not usable text."""
+def _lines(rejected: Counter) -> str:
+    total = sum(rejected.values())
+    return f"{total} lines skipped: " + ", ".join(f"{n} {why}" for why, n in rejected.items())
+
+
+def _read(doc: _Doc, skipped: Counter, contents: set[str]) -> str | None:
+    """The document's text, or None (counted in ``skipped``) when it is not usable text or
+    repeats a document read before (the same content never lands in two splits)."""
     if doc.text is not None:
         text = doc.text
     else:
@@ -131,6 +172,11 @@ def _read(doc: _Doc, skipped: Counter) -> str | None:
     if not text.strip():
         skipped["empty"] += 1
         return None
+    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    if digest in contents:
+        skipped["duplicate content"] += 1
+        return None
+    contents.add(digest)
     return text
 
 
@@ -157,10 +203,11 @@ def _tokenised(
     docs: list[_Doc], tokenizer, skipped: Counter, span: int, rng: random.Random
 ) -> Iterator[tuple[int, _Doc, list[int], bool]]:
     """Yield (position, document, token ids, reaches the end) in order, in small batches."""
+    contents: set[str] = set()
     for start in range(0, len(docs), _BATCH):
         batch = []
         for i, d in enumerate(docs[start : start + _BATCH]):
-            text = _read(d, skipped)
+            text = _read(d, skipped, contents)
             if text is not None:
                 batch.append((start + i, d, *_region(text, span, rng)))
         if batch:
@@ -215,25 +262,29 @@ def _split(ccfg, docs: list[_Doc], tokenizer, seed: int, skipped: Counter):
     random.Random(seed).shuffle(order)
     args = (ccfg.chunk_len, ccfg.chunks_per_doc, eos, random.Random(seed + 1))
     held, calib = _Split(ccfg.held_chunks, *args), _Split(ccfg.calib_chunks, *args)
+    test = _Split(ccfg.test_chunks, *args)
     span = ccfg.chunk_len * ccfg.chunks_per_doc * _SPAN_CHARS_PER_TOKEN
     seen = len(order)
     for i, doc, ids, complete in _tokenised(
         order, tokenizer, skipped, span, random.Random(seed + 2)
     ):
-        (calib if held.full else held).add(doc.ident, ids, complete)
-        if calib.full:
+        split = held if not held.full else calib if not calib.full else test
+        split.add(doc.ident, ids, complete)
+        if held.full and calib.full and test.full:
             seen = i + 1
             break
-    return held, calib, seen
-
-
-_VERSION = 2  # of the splitting rules: a change invalidates cached corpora
+    return held, calib, test, seen
 
 
 def _cache_key(ccfg, docs: list[_Doc], tokenizer_key: str, seed: int) -> str:
-    h = hashlib.sha256(f"corpus-v{_VERSION}".encode())
+    from bake.runstate import code_digest
+
+    # the splitting rules are this module's code: a change to it is a new key
+    h = hashlib.sha256(f"corpus-{code_digest(('bake.corpus', 'bake.globbing'))}".encode())
     settings = {k: ccfg[k] for k in ("source", "glob", "path", "field", "chunk_len")}
-    settings |= {k: ccfg[k] for k in ("held_chunks", "calib_chunks", "chunks_per_doc")}
+    settings |= {
+        k: ccfg[k] for k in ("held_chunks", "calib_chunks", "test_chunks", "chunks_per_doc")
+    }
     h.update(json.dumps({**{k: str(v) for k, v in settings.items()}, "seed": seed}).encode())
     h.update(tokenizer_key.encode())
     for d in docs:
@@ -246,10 +297,20 @@ def _cache_key(ccfg, docs: list[_Doc], tokenizer_key: str, seed: int) -> str:
     return h.hexdigest()[:20]
 
 
-def _check(ccfg, held: _Split, calib: _Split, skipped: Counter, seen: int) -> None:
+def _check(
+    ccfg,
+    held: _Split,
+    calib: _Split,
+    test: _Split,
+    skipped: Counter,
+    seen: int,
+    rejected: Counter,
+) -> None:
     found = f"{seen - sum(skipped.values())} usable of {seen} documents read"
     if skipped:
         found += " (skipped: " + ", ".join(f"{n} {why}" for why, n in skipped.items()) + ")"
+    if rejected:
+        found += f"; {_lines(rejected)}"
     if len(calib.chunks) < MIN_CALIB_CHUNKS:
         raise BakeError(
             f"corpus: only {len(calib.chunks)} calibration chunks of {ccfg.chunk_len} tokens "
@@ -257,7 +318,7 @@ def _check(ccfg, held: _Split, calib: _Split, skipped: Counter, seen: int) -> No
             f"{MIN_CALIB_CHUNKS}: add documents, lower corpus.chunk_len, lower "
             f"corpus.held_chunks or raise corpus.chunks_per_doc"
         )
-    if skipped:
+    if skipped or rejected:
         log.warning("corpus: %s", found)
     if len(calib.chunks) < ccfg.calib_chunks:
         log.warning(
@@ -268,44 +329,76 @@ def _check(ccfg, held: _Split, calib: _Split, skipped: Counter, seen: int) -> No
             found,
             len(calib.chunks),
         )
+    if len(test.chunks) < ccfg.test_chunks:
+        log.warning(
+            "corpus: %d test chunks instead of corpus.test_chunks=%d (%s): the documents ran "
+            "out after the held-out and calibration sets; test perplexities are %s",
+            len(test.chunks),
+            ccfg.test_chunks,
+            found,
+            "on fewer chunks" if test.chunks else "not measured",
+        )
 
 
 def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path) -> Corpus:
-    """Build (or read from the cache) the held-out and calibration chunks."""
+    """Build (or read from the cache) the held-out, calibration and test chunks."""
     import torch
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import save_file
 
-    skipped: Counter = Counter()
-    docs = list_documents(ccfg, skipped)
+    from bake import cache
+
+    skipped: Counter = Counter()  # documents read and left out
+    rejected: Counter = Counter()  # JSONL lines that are no document
+    docs = list_documents(ccfg, rejected)
     key = _cache_key(ccfg, docs, tokenizer_key, seed)
     path = Path(cache_dir) / "corpus" / f"{ccfg.name}-{key}.safetensors"
-    info_path = path.with_suffix(".json")
-    if path.is_file() and info_path.is_file():
-        tensors, info = load_file(path), json.loads(info_path.read_text())
+    corpus = cache.read(path, _read_cached)
+    if corpus is not None:
         log.info("corpus: cached chunks from %s", path)
-        return Corpus(
-            tensors["held"],
-            tensors["calib"],
-            key,
-            info["held_docs"],
-            info["calib_docs"],
-            info["skipped"],
-            cached=True,
-        )
-    held, calib, seen = _split(ccfg, docs, tokenizer, seed, skipped)
-    _check(ccfg, held, calib, skipped, seen)
+        return corpus
+    held, calib, test, seen = _split(ccfg, docs, tokenizer, seed, skipped)
+    _check(ccfg, held, calib, test, skipped, seen, rejected)
     corpus = Corpus(
         torch.tensor(held.chunks, dtype=torch.long),
         torch.tensor(calib.chunks, dtype=torch.long),
+        torch.tensor(test.chunks, dtype=torch.long).reshape(-1, ccfg.chunk_len),
         key,
         held.docs,
         calib.docs,
+        test.docs,
         dict(skipped),
+        rejected_lines=dict(rejected),
     )
-    path.parent.mkdir(parents=True, exist_ok=True)
+    info = {
+        "key": key,
+        "held_docs": held.docs,
+        "calib_docs": calib.docs,
+        "test_docs": test.docs,
+        "skipped": dict(skipped),
+        "rejected_lines": dict(rejected),
+    }
+    tensors = {"held": corpus.held, "calib": corpus.calib, "test": corpus.test}
     with atomic_write(path) as tmp:
-        save_file({"held": corpus.held, "calib": corpus.calib}, str(tmp))
-    info = {"held_docs": held.docs, "calib_docs": calib.docs, "skipped": dict(skipped)}
-    with atomic_write(info_path) as tmp:
-        tmp.write_text(json.dumps(info))
+        save_file(tensors, str(tmp), metadata={"info": json.dumps(info)})
+    cache.seal(path)
     return corpus
+
+
+def _read_cached(path: Path) -> Corpus:
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as fh:
+        info = json.loads(fh.metadata()["info"])
+        t = {k: fh.get_tensor(k) for k in ("held", "calib", "test")}
+    return Corpus(
+        t["held"],
+        t["calib"],
+        t["test"],
+        info["key"],
+        info["held_docs"],
+        info["calib_docs"],
+        info["test_docs"],
+        info["skipped"],
+        cached=True,
+        rejected_lines=info.get("rejected_lines", {}),
+    )

@@ -11,26 +11,51 @@ from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
 from bake import masks
 from bake.baked import VISIT_MASKS
+from bake.models import family as families
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from bake.stack import Stack
 
 log = logging.getLogger("bake.export")
 
 
 @dataclass
 class Keep:
-    """The export's keep masks and what alignment did to them."""
+    """The keep masks that ship, and how they came from the mask (or the baseline's choice).
+
+    ``alive`` is sigma(m) > tau per virtual row, before the target rule and alignment: neurons
+    kept but not alive were revived by alignment; alive ones not kept were dropped to meet the
+    target.
+    """
 
     visits: Tensor  # [num_layers * loops, inter] bool
-    physical: Tensor  # [num_layers, inter] bool
-    revived: int  # neurons alignment brought back (over virtual rows)
-    pruned_ratio: float  # after alignment, over virtual rows
+    physical: Tensor  # [num_layers, inter] bool: the union over visits
+    alive: Tensor  # [num_layers * loops, inter] bool
+
+    @property
+    def revived(self) -> int:
+        return int((self.visits & ~self.alive).sum())
+
+    @property
+    def dropped(self) -> int:
+        return int((self.alive & ~self.visits).sum())
+
+    @property
+    def pruned_ratio(self) -> float:
+        """After alignment, over virtual rows."""
+        return masks.sparsity(self.visits)
 
     @property
     def per_layer(self) -> list[int]:
@@ -40,14 +65,28 @@ class Keep:
     def per_visit(self) -> list[int]:
         return self.visits.sum(dim=1).tolist()
 
+    @property
+    def per_visit_before(self) -> list[int]:
+        """Alive neurons per virtual row, before the target rule and alignment."""
+        return self.alive.sum(dim=1).tolist()
 
-def compute_keep(logits: Tensor, tau: float, align: int, uniform: bool, num_layers: int) -> Keep:
-    visits = masks.keep_masks(logits, tau, align, uniform)
-    raw = int(masks.alive(logits, tau).sum())
-    revived = int(visits.sum()) - raw
+
+def compute_keep(visits: Tensor, alive: Tensor, num_layers: int) -> Keep:
+    """The Keep of per-visit keep masks ``visits`` read from a mask whose binarisation is
+    ``alive`` (both [num_layers * loops, inter] bool)."""
+    visits, alive = visits.bool().cpu(), alive.bool().cpu()
+    return Keep(visits, masks.physical_keep(visits, num_layers), alive)
+
+
+def aligned_after(logits: Tensor, tau: float, align: int, uniform: bool, num_layers: int) -> Keep:
+    """The reference's export keep: sigma(m) > tau, each row's count rounded UP to ``align``
+    (reviving the highest-logit pruned neurons), all rows at the largest with ``uniform``."""
+    keep = compute_keep(
+        masks.keep_masks(logits, tau, align, uniform), masks.alive(logits, tau), num_layers
+    )
     if align > 1 or uniform:
-        log.info("align: +%d neurons revived (align %d, uniform %s)", revived, align, uniform)
-    return Keep(visits, masks.physical_keep(visits, num_layers), revived, masks.sparsity(visits))
+        log.info("align: +%d neurons revived (align %d, uniform %s)", keep.revived, align, uniform)
+    return keep
 
 
 def pruned_ffn(stack, keep: Keep, trained: dict | None, li: int) -> tuple[Tensor, Tensor, Tensor]:
@@ -66,53 +105,75 @@ def export_format(keep: Keep, loops: int) -> str:
     return "stock" if len(set(keep.per_layer)) == 1 else "per_layer"
 
 
-def _config(lm, keep: Keep, fmt: str, loops: int, loop_norm: bool) -> dict:
-    cfg = lm.config.to_dict()
-    for key in ("quantization_config", "auto_map", "_name_or_path", "per_layer_config"):
-        cfg.pop(key, None)
-    widths = keep.per_layer
-    cfg["architectures"] = ["LlamaForCausalLM"]
-    cfg["model_type"] = "llama"
-    cfg["dtype"] = "float32"
-    cfg["intermediate_size"] = max(widths)
-    if fmt != "stock":
-        cfg["per_layer_config"] = {
-            str(i): {"intermediate_size": w} for i, w in enumerate(widths) if w != max(widths)
-        }
+# Keys of the in-memory config that describe how bake loaded the source, not the export.
+_DROPPED = (
+    "quantization_config",  # the weights are plain fp32 now
+    "auto_map",  # no repository code: the export runs on transformers' own classes
+    "_name_or_path",
+    "per_layer_config",
+    "num_loops",  # a loop depth: bake.loops states it for the looped format
+    "loop_loss_weights",
+    "skip_loop_final_norm",
+)
+LOOPED_TYPE = "bake_looped"  # model_type of a looped export: no stock class may load it
+
+
+def _config(lm: PreTrainedModel, keep: Keep, fmt: str, loops: int, loop_norm: bool) -> dict:
+    """config.json of the export: the source's own (model_type, architectures and every family
+    field), with only the FFN widths changed; a looped export is renamed so that no stock
+    class runs it as one plain pass."""
+    family = families.get(lm.config.model_type, "export")
+    source = lm.config.to_dict()
+    for key in _DROPPED:
+        source.pop(key, None)
+    source["architectures"] = [type(lm).__name__]
+    source["dtype"] = "float32"
+    cfg = family.config(source, keep.per_layer)
     if fmt == "looped":
-        # Not a stock model: the stock runtime would run one pass without the visit masks.
         cfg["architectures"] = ["BakeLoopedForCausalLM"]
-        cfg["model_type"] = "bake_looped"
-    cfg["bake"] = {"format": fmt, "loops": loops, "loop_norm": loop_norm, "widths": widths}
+        cfg["model_type"] = LOOPED_TYPE
+    cfg["bake"] = {
+        "format": fmt,
+        "model_type": family.model_type,  # the transformers class load_baked builds
+        "loops": loops,
+        "loop_norm": loop_norm,
+        "widths": keep.per_layer,
+    }
     return cfg
 
 
-def _tensors(stack, keep: Keep, trained: dict | None) -> list[tuple[str, tuple, object]]:
-    """(name, shape, producer) of every tensor of the export; the FFN tensors are pruned only
-    when written, one at a time, so the export never holds a second copy of the model."""
+Producer = Callable[[], Tensor]
+
+
+def _tensors(stack: Stack, keep: Keep, trained: dict | None) -> list[tuple[str, tuple, Producer]]:
+    """(name, shape, producer) of every tensor of the export: every tensor of the source that is
+    not an FFN weight, unchanged (attention biases, q/k norms, whatever the family has), then
+    the pruned FFN weights. These are produced only when written, one at a time, so the export
+    never holds a second copy of the model."""
     lm = stack.lm
+    family = families.get(lm.config.model_type, "export")
+    ffn = {name for li in range(stack.num_layers) for name in family.ffn_names(li)}
     tied = bool(getattr(lm.config, "tie_word_embeddings", False))
     out = []
     for name, tensor in lm.state_dict().items():
-        if (tied and name == "lm_head.weight") or ".mlp." in name:
-            continue
+        if name in ffn or (tied and name == "lm_head.weight"):
+            continue  # a tied head is the embedding: transformers ties it again on load
         out.append((name, tuple(tensor.shape), lambda t=tensor: t))
     hidden = stack.hidden_size
     for li, width in enumerate(keep.per_layer):
-        p = f"model.layers.{li}.mlp."
 
-        def part(k: int, li: int = li):
+        def part(k: int, li: int = li) -> Producer:
             return lambda: pruned_ffn(stack, keep, trained, li)[k]
 
+        shapes = ((width, hidden), (width, hidden), (hidden, width))
         out += [
-            (p + "gate_proj.weight", (width, hidden), part(0)),
-            (p + "up_proj.weight", (width, hidden), part(1)),
-            (p + "down_proj.weight", (hidden, width), part(2)),
+            (name, shape, part(k))
+            for k, (name, shape) in enumerate(zip(family.ffn_names(li), shapes, strict=True))
         ]
     return out
 
 
-def save_streaming(path: Path, tensors: list[tuple[str, tuple, object]], metadata: dict) -> None:
+def save_streaming(path: Path, tensors: list[tuple[str, tuple, Producer]], metadata: dict) -> None:
     """Write fp32 tensors in the safetensors format one at a time (the library's writer would
     first serialise all of them into memory)."""
     import struct
@@ -147,8 +208,15 @@ def visit_gates(keep: Keep) -> dict[str, Tensor]:
     }
 
 
-def write_model(directory: Path, stack, tokenizer, keep: Keep, trained: dict | None) -> str:
-    """Write the smaller model into ``directory`` (a staging directory); returns its format."""
+def write_model(
+    directory: Path,
+    stack: Stack,
+    tokenizer: PreTrainedTokenizerBase,
+    keep: Keep,
+    trained: dict | None,
+) -> str:
+    """Write the smaller model into ``directory`` (a staging directory); returns its format:
+    ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked)."""
     from safetensors.torch import save_file
 
     lm = stack.lm

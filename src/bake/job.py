@@ -7,6 +7,7 @@ HYDRA_FULL_ERROR=1 for the rest); 2 an invalid configuration; 130 interrupted.
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import sys
@@ -17,6 +18,8 @@ from bake.errors import BakeError, ConfigError
 from bake.validate import validate
 
 log = logging.getLogger("bake")
+# A full disk, a quota, a read-only or forbidden place: one line, not a traceback.
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
 
 
 def _hydra_context():
@@ -33,7 +36,7 @@ def _discard_unused(run_dir: Path) -> None:
 
     if not run_dir.is_dir() or (run_dir / "bake_run.json").exists():
         return
-    if all(p.name == ".hydra" or p.suffix == ".log" for p in run_dir.iterdir()):
+    if all(p.name in (".hydra", ".bake.lock") or p.suffix == ".log" for p in run_dir.iterdir()):
         for handler in list(logging.getLogger().handlers):
             if str(getattr(handler, "baseFilename", "")).startswith(str(run_dir)):
                 logging.getLogger().removeHandler(handler)
@@ -48,10 +51,19 @@ def _discard_unused(run_dir: Path) -> None:
 
 def run_job(cfg) -> float:
     """Run one bake under Hydra; returns the exported held-out perplexity (NaN on failure)."""
+    from bake import guard
+
     hc, multirun = _hydra_context()
     run_dir = Path(hc.runtime.output_dir)
     try:
-        meta = validate(cfg)
+        return _run(cfg, hc, multirun, run_dir)
+    finally:
+        guard.release(run_dir)
+
+
+def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
+    try:
+        meta = validate(cfg, multirun=multirun)
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         if not cfg.resume:
@@ -63,8 +75,10 @@ def run_job(cfg) -> float:
             return math.nan
         sys.exit(2)
 
+    from bake import console
     from bake.pipeline import bake
 
+    console.setup()  # log lines around the progress bars; no library bars or chatter
     try:
         return bake(cfg, meta, run_dir, hc)
     except BakeError as exc:
@@ -78,6 +92,18 @@ def run_job(cfg) -> float:
         if multirun:
             raise  # Ctrl-C ends the whole sweep, as everywhere else
         sys.exit(130)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRORS:
+            raise
+        where = f" {exc.filename}" if exc.filename else ""
+        print(
+            f"bake: writing{where} failed ({exc.strerror or exc}); free space or fix the "
+            f"permissions, then continue with resume={run_dir}",
+            file=sys.stderr,
+        )
+        if multirun:
+            return math.nan
+        sys.exit(1)
     except Exception:
         if multirun:
             log.error("job failed:\n%s", traceback.format_exc())

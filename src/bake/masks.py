@@ -1,20 +1,19 @@
 """The recipe's arithmetic, as pure functions of tensors and numbers.
 
-Init logit, L1 schedule, gates, sparsity, the selection rule, the cosine scale, the reference's
-gradient clip and its keep masks. Each has its own unit tests.
+Init logit, L1 schedule, gates, sparsity, the selection rule, the sparsity controller's
+schedule, the cosine scale, the reference's gradient clip, its keep masks and the keep masks
+that meet a target after alignment. Each has its own unit tests.
 """
 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
-
-# Selection score of an evaluation below the target sparsity: BIG - sparsity. Above any
-# perplexity, and small enough that float64 resolves a single neuron's sparsity difference.
-BIG = 1e9
 
 
 def mask_init_logit(loops: int, base_logit: float = 2.0) -> float:
@@ -31,7 +30,9 @@ def mask_init_logit(loops: int, base_logit: float = 2.0) -> float:
 
 
 def l1_weight(l1_init: float, l1_step: float, l1_mult: float, evaluations_done: int) -> float:
-    """L1 weight after ``evaluations_done`` evaluations: (init + done * step) * mult."""
+    """L1 weight after ``evaluations_done`` evaluations: (init + done * step) * mult. The
+    reference adds ``step * mult`` after the update of every evaluation step, so the weight of
+    global step ``s`` is ``l1_weight(..., s // eval_every)``."""
     return l1_init * l1_mult + evaluations_done * (l1_step * l1_mult)
 
 
@@ -62,8 +63,8 @@ def hard_gates(logits: Tensor, tau: float) -> Tensor:
 
 
 def sparsity(keep: Tensor) -> float:
-    """Fraction of (virtual-row) neurons not kept."""
-    return 1.0 - float(keep.sum()) / keep.numel()
+    """Fraction of (virtual-row) neurons not kept (pruned / all: exact for round fractions)."""
+    return float(keep.numel() - int(keep.sum())) / keep.numel()
 
 
 def closed_since(prev: Tensor | None, cur: Tensor) -> list[str]:
@@ -74,35 +75,62 @@ def closed_since(prev: Tensor | None, cur: Tensor) -> list[str]:
     return [f"L{r}:{c}" for r, c in zip(rows.tolist(), cols.tolist(), strict=True)]
 
 
-def selection_score(held_ppl: float, sparsity_: float, target: float) -> float:
-    """One number whose minimum is the reference's choice.
+@dataclass(frozen=True)
+class Choice:
+    """The evaluation a phase keeps: its index (None: none qualifies, the final state is
+    used) and whether it is the fall-back below the target."""
 
-    held_ppl when the evaluation reaches the target (always, for target 0), else
-    BIG - sparsity: any qualifying evaluation beats every other, and among none qualifying the
-    sparsest wins. Taking the first strict minimum, as ModelCheckpoint does, gives the lowest
-    held-PPL among qualifying evaluations, else the first sparsest. A non-finite perplexity
-    never qualifies.
+    index: int | None
+    fell_back: bool = False
+
+
+def select(evaluations: Sequence[tuple[float, float]], target: float) -> Choice:
+    """The reference's selection over (held_ppl, sparsity) pairs, in order.
+
+    Target 0: the first strict minimum of the held-out perplexity. Target > 0: the first
+    strict minimum among evaluations at least ``target`` sparse (:func:`reaches`); when none
+    is, the fall-back
+    is the FIRST evaluation of the highest sparsity above zero. A perplexity that is NaN or
+    not below the largest float never qualifies (the reference starts from f64::MAX and
+    compares strictly). No choice at all (no evaluation, or every evaluation at 0% with a
+    target) keeps the final state, as the reference keeps its final logits.
     """
-    if not math.isfinite(held_ppl):
-        return 2 * BIG
-    if target <= 0 or sparsity_ >= target:
-        return held_ppl
-    return BIG - sparsity_
-
-
-def select(evaluations: Sequence[tuple[float, float]], target: float) -> int | None:
-    """Index of the selected evaluation among (held_ppl, sparsity) pairs; None when empty."""
-    best, best_score = None, math.inf
+    best, best_ppl = None, sys.float_info.max
     for i, (ppl, sp) in enumerate(evaluations):
-        score = selection_score(ppl, sp, target)
-        if score < best_score:
-            best, best_score = i, score
+        if (target <= 0 or reaches(sp, target)) and ppl < best_ppl:
+            best, best_ppl = i, ppl
+    if best is not None or target <= 0:
+        return Choice(best)
+    sparsest, top = None, 0.0
+    for i, (_, sp) in enumerate(evaluations):
+        if sp > top:
+            sparsest, top = i, sp
+    return Choice(sparsest, fell_back=sparsest is not None)
+
+
+def reaches(sparsity_: float, target: float) -> bool:
+    """``sparsity_ >= target``, forgiving the last bits of float rounding (a structure built to
+    meet 0.3 exactly must count as meeting it)."""
+    return sparsity_ >= target - 1e-9
+
+
+def select_repair(held_ppls: Sequence[float], baseline: float) -> int | None:
+    """The repair evaluation to keep: the first strict minimum STRICTLY below ``baseline``
+    (the perplexity before the repair); None when no evaluation beats it. NaN never wins."""
+    best, best_ppl = None, baseline
+    for i, ppl in enumerate(held_ppls):
+        if ppl < best_ppl:
+            best, best_ppl = i, ppl
     return best
 
 
-def fell_back(held_ppl: float, sparsity_: float, target: float) -> bool:
-    """True when the selected evaluation is a fallback (below the target sparsity)."""
-    return target > 0 and not (sparsity_ >= target and math.isfinite(held_ppl))
+def target_at(step: int, steps: int, target: float, ramp: float) -> float:
+    """The sparsity the controller asks for at ``step``: linear from 0 to ``target`` over the
+    first ``ramp`` of the steps, then held (ramp 0: the target from the first step)."""
+    end = ramp * steps
+    if end <= 0 or step >= end:
+        return target
+    return target * step / end
 
 
 def cosine_scale(step: int, steps: int) -> float:
@@ -157,3 +185,103 @@ def physical_keep(keep_visits: Tensor, num_layers: int) -> Tensor:
     """Union over visits: a physical neuron stays on disk when any visit keeps it."""
     loops = keep_visits.shape[0] // num_layers
     return keep_visits.view(loops, num_layers, -1).any(dim=0)
+
+
+def target_keep(
+    logits: Tensor, tau: float | None, target: float, align: int, uniform: bool
+) -> Tensor:
+    """Keep masks [rows, inter] whose pruned fraction over ALL rows is at least ``target``
+    after alignment: the structure that ships, fixed before any repair.
+
+    The neurons with sigma(m) > tau, minus the lowest-logit ones (compared over all rows) until
+    at most ``floor((1 - target) * rows * inter)`` stay; then each row's count becomes a
+    multiple of ``align`` (or the full width): rounded up where that budget allows, down
+    otherwise, every row keeping at least one multiple. ``uniform`` gives every row one count:
+    the reference's (the largest aligned count) when it fits the budget, else the largest
+    aligned count that does. Each row keeps its highest logits (ties by index). Target 0 is
+    the reference's :func:`keep_masks`. ``tau=None`` ranks every neuron (the controller's
+    top-k: no threshold is consulted). Raises ValueError when no aligned structure can meet
+    the target.
+    """
+    if tau is None:
+        tau = 0.0  # sigma(m) > 0 holds for every finite logit: all are candidates
+    if target <= 0:
+        return keep_masks(logits, tau, align, uniform)
+    rows, inter = logits.shape
+    budget = math.floor((1.0 - target) * rows * inter + 1e-9)
+    narrowest = min(max(align, 1), inter)
+    if narrowest * rows > budget:
+        raise ValueError(
+            f"at most {budget} of {rows * inter} neurons may stay, and every row keeps at "
+            f"least {narrowest} (align {align})"
+        )
+    alive_now = alive(logits, tau)
+    counts = _drop_lowest(logits, alive_now, budget)
+    if uniform:
+        widest = round_up(max(max(counts), 1), align, inter)
+        fits = _round_down(budget // rows, align, inter)
+        want = [min(widest, fits)] * rows
+    else:
+        want = _aligned_within(counts, budget, align, inter)
+    order = torch.sort(logits, dim=1, descending=True, stable=True).indices
+    keep = torch.zeros(rows, inter, dtype=torch.bool)
+    for r, k in enumerate(want):
+        keep[r, order[r, :k]] = True
+    return keep
+
+
+def _drop_lowest(logits: Tensor, alive_now: Tensor, budget: int) -> list[int]:
+    """Per-row counts of the alive neurons once the lowest-logit ones (over all rows, ties by
+    position) are dropped until at most ``budget`` stay. Rows keep their highest logits, so a
+    count per row says which neurons."""
+    counts = alive_now.sum(dim=1)
+    excess = int(counts.sum()) - budget
+    if excess > 0:
+        flat = torch.where(alive_now, logits, torch.full_like(logits, math.inf)).flatten()
+        lowest = torch.sort(flat, stable=True).indices[:excess]
+        counts = counts - torch.bincount(lowest // logits.shape[1], minlength=logits.shape[0])
+    return [int(c) for c in counts]
+
+
+def _round_down(n: int, align: int, cap: int) -> int:
+    """``n`` rounded down to a multiple of ``align`` (0/1: unchanged), capped at ``cap``."""
+    if align <= 1:
+        return min(n, cap)
+    return min(n // align * align, cap)
+
+
+def _aligned_within(counts: list[int], budget: int, align: int, inter: int) -> list[int]:
+    """Each count made a multiple of ``align`` (or ``inter``) with their sum within ``budget``:
+    rounded down (at least one multiple), then rounded up again, largest remainder first (ties
+    by row), while the budget allows."""
+    step = max(align, 1)
+    floor_width = min(step, inter)
+    want = [max(_round_down(c, align, inter), floor_width) for c in counts]
+    room = budget - sum(want)
+    order = sorted(range(len(counts)), key=lambda r: (-(counts[r] - want[r]), r))
+    for r in order:
+        up = round_up(counts[r], align, inter)
+        if up > want[r] and up - want[r] <= room:
+            room -= up - want[r]
+            want[r] = up
+    return want
+
+
+@dataclass(frozen=True)
+class ShipRule:
+    """How the structure that ships is read from mask logits: :func:`target_keep` with these
+    settings. ``ranked``: the controller's rule, the top logits whatever tau says."""
+
+    target: float
+    align: int
+    uniform: bool
+    tau: float
+    ranked: bool = False
+
+    def keep(self, logits: Tensor) -> Tensor:
+        return self.at(logits, self.target)
+
+    def at(self, logits: Tensor, target: float) -> Tensor:
+        """The structure at another sparsity (the controller's schedule)."""
+        tau = None if self.ranked else self.tau
+        return target_keep(logits, tau, target, self.align, self.uniform)

@@ -1,29 +1,37 @@
-"""One bake, top to bottom: load, measure the backbone, Phase A, Phase B, export, report.
+"""One bake, top to bottom: load, measure the backbone, Phase A, the structure that ships, the
+repairs, export, report.
 
-Everything a run writes goes under its run directory; what runs share (converted models,
-tokenised corpora, Phase A results) lives under ``paths.cache``.
+Every held-out number a bake compares (backbone, masked, each repair, exported) is measured on
+one device in one precision (:attr:`Ctx.precision`). Everything a run writes goes under its
+run directory; what runs share (converted models, tokenised corpora, activation statistics,
+Phase A results) lives under ``paths.cache``.
 """
 
 from __future__ import annotations
 
 import gc
 import logging
-import math
+import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
+from torch import Tensor
 
-from bake import masks, memory
-from bake.corpus import Corpus, load_corpus
+from bake import export, masks, memory
 from bake.memory import PeakTracker
-from bake.models.loader import LoadedModel, load_model
-from bake.phases.common import Identity, best_state, fit, make_trainer, rank_zero, resume_point
-from bake.phases.results import PhaseAResult, Selection
-from bake.runstate import RunRecord, digest, open_record, resolved
-from bake.stack import held_nll, perplexity
+from bake.phases.common import rank_zero
+from bake.runstate import RunRecord, open_record
+from bake.stack import FfnOverride, held_nll, perplexity
 from bake.tracking import Tracker
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from bake.corpus import Corpus
+    from bake.models.loader import LoadedModel
 
 log = logging.getLogger("bake")
 
@@ -32,12 +40,14 @@ log = logging.getLogger("bake")
 class Ctx:
     """What the stages of one bake share."""
 
-    cfg: object
+    cfg: DictConfig
     run_dir: Path
     record: RunRecord
     tracker: Tracker
     model: LoadedModel | None = None
     corpus: Corpus | None = None
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))
+    precision: str = "fp32"  # of every held-out evaluation of this bake
     seconds: dict = field(default_factory=dict)
     memory: PeakTracker = field(default_factory=PeakTracker)
 
@@ -45,8 +55,10 @@ class Ctx:
     def cache(self) -> Path:
         return Path(self.cfg.paths.cache)
 
-    def eval_precision(self) -> str:
-        return str(self.cfg.phase_a.eval_precision)
+    def shareable(self, phase: str) -> bool:
+        """Whether this run's result of ``phase`` may go to the shared cache: not when the
+        phase was resumed with changed settings."""
+        return phase not in self.record.changed_phases()
 
     def release_model(self) -> None:
         """Drop this process's references to the backbone (it is reloaded from the cache when
@@ -58,16 +70,38 @@ class Ctx:
         gc.collect()
         memory.trim()
 
-    def held_ppl(self, gates=None, ffn=None) -> float:
+    def held_ppl(
+        self, gates: Tensor | None = None, ffn: FfnOverride | None = None, chunks=None
+    ) -> float:
+        """Held-out perplexity (or of ``chunks``) with ``gates`` (a keep mask or 0/1 gates,
+        one row per virtual layer) and FFN weights ``ffn`` over the backbone's."""
+        if gates is not None:
+            gates = gates.to(self.device, torch.float32)
         nll, n = held_nll(
             self.model.stack,
-            self.corpus.held,
+            self.corpus.held if chunks is None else chunks,
             gates,
             ffn,
             self.cfg.trainer.eval_batch_size,
-            self.eval_precision(),
+            self.precision,
         )
         return perplexity(nll, n)
+
+
+def resolve_device(accelerator: str) -> torch.device:
+    """The device this process runs the phases and evaluations on (Lightning's choice for
+    ``trainer.accelerator``; a DDP rank's own GPU)."""
+    kind = str(accelerator)
+    if kind in ("auto", "gpu"):
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(kind)
+
+
+def resolve_precision(device: torch.device, setting: str) -> str:
+    """bf16 (autocast) on CUDA unless fp32 is asked for; fp32 elsewhere."""
+    return "bf16" if device.type == "cuda" and setting in ("auto", "bf16") else "fp32"
 
 
 def bake(cfg, meta, run_dir: Path, hc) -> float:
@@ -90,12 +124,20 @@ def bake(cfg, meta, run_dir: Path, hc) -> float:
         status = "KILLED"
         raise
     except BaseException as exc:
-        tracker.tags({"bake.error": f"{type(exc).__name__}: {exc}"[:5000]})
+        _quietly(tracker.tags, {"bake.error": f"{type(exc).__name__}: {exc}"[:5000]})
         raise
-    finally:
-        tracker.end(status)
+    finally:  # the record first: on a full disk it is what tells the run failed
         if rank0:
-            record.update(status=status)
+            _quietly(record.update, status=status)
+        _quietly(tracker.end, status)
+
+
+def _quietly(fn, *args, **kwargs) -> None:
+    """Bookkeeping at the end of a failed bake must not hide the failure itself."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        log.warning("could not record the run's end (%s: %s)", type(exc).__name__, exc)
 
 
 def _timed(ctx: Ctx, name: str, fn, *args):
@@ -109,11 +151,24 @@ def _timed(ctx: Ctx, name: str, fn, *args):
     return out
 
 
-def _stages(ctx: Ctx) -> float:
-    import lightning as L
+def _log_evaluation(tracker: Tracker, prefix: str, ev: dict, offset: int = 0) -> None:
+    """An evaluation's metrics at global step ``offset + step``: Phase B's steps follow Phase
+    A's training steps, so both phases share one step axis in MLflow."""
+    skip = {"step", "closed_names", "score"}
+    values = {f"{prefix}/{k}": v for k, v in ev.items() if k not in skip}
+    tracker.metrics(values, offset + ev["step"])
 
-    cfg, t_start = ctx.cfg, time.perf_counter()
-    L.seed_everything(cfg.seed, workers=True, verbose=False)
+
+def _phase_a_steps(cfg) -> int:
+    """Phase A's training steps (none for a training-free baseline): Phase B's step offset."""
+    return cfg.phase_a.steps if cfg.phase_a.method == "learned" else 0
+
+
+def _load(ctx: Ctx) -> None:
+    from bake.corpus import load_corpus
+    from bake.models.loader import load_model
+
+    cfg = ctx.cfg
     ctx.model = _timed(ctx, "load", load_model, cfg.model, ctx.cache)
     ctx.corpus = _timed(
         ctx,
@@ -125,221 +180,109 @@ def _stages(ctx: Ctx) -> float:
         cfg.seed,
         ctx.cache,
     )
+    ctx.device = resolve_device(cfg.trainer.accelerator)
+    ctx.precision = resolve_precision(ctx.device, str(cfg.phase_a.eval_precision))
+    ctx.model.lm.to(ctx.device)
+    stack, corpus = ctx.model.stack, ctx.corpus
     log.info(
-        "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration "
-        "chunks of %d tokens",
+        "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration, "
+        "%d test chunks of %d tokens; evaluations on %s in %s",
         ctx.model.key,
-        ctx.model.stack.num_layers,
-        ctx.model.stack.loops,
-        ctx.model.stack.inter,
-        ctx.corpus.held.shape[0],
-        ctx.corpus.calib.shape[0],
+        stack.num_layers,
+        stack.loops,
+        stack.inter,
+        corpus.held.shape[0],
+        corpus.calib.shape[0],
+        corpus.test.shape[0],
         cfg.corpus.chunk_len,
+        ctx.device,
+        ctx.precision,
     )
-    ctx.memory.start()  # peaks below are measured against the loaded model and corpus
-    backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
-    log.info("baseline (full): %.3f", backbone)
-    ctx.tracker.metrics({"final/backbone_ppl": backbone})
-    result, selection, masked = _timed(ctx, "phase_a", _phase_a, ctx)
-    trained, overlaid, b_info = _timed(ctx, "phase_b", _phase_b, ctx, selection, masked)
+
+
+def structure(ctx: Ctx, logits: Tensor) -> export.Keep:
+    """The structure the repairs work on: on the default path the one that ships (the target
+    met after alignment); with ``export.align_before_repair=false``, the raw binarised mask,
+    as in the reference (the export aligns it afterwards)."""
+    from bake.phases.stage_a import ship_rule
+
+    a, stack = ctx.cfg.phase_a, ctx.model.stack
+    rule = ship_rule(ctx.cfg)
+    if rule is not None and rule.ranked:  # the controller's mask: the top logits, unaligned
+        alive = masks.target_keep(logits, None, rule.target, 1, False)
+    else:
+        alive = masks.alive(logits, a.tau)
+    visits = rule.keep(logits) if rule is not None else alive
+    return export.compute_keep(visits, alive, stack.num_layers)
+
+
+def _stages(ctx: Ctx) -> float:
+    import lightning as L
+
+    from bake.phases import stage_a, stage_b
     from bake.report import Outcome, finish
 
-    out = Outcome(backbone, result, selection, masked, trained, overlaid, b_info, t_start)
+    cfg, t_start = ctx.cfg, time.perf_counter()
+    L.seed_everything(cfg.seed, workers=True, verbose=False)
+    _load(ctx)
+    ctx.memory.start()  # peaks below are measured against the loaded model and corpus
+    backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
+    backbone_test = ctx.held_ppl(chunks=ctx.corpus.test) if ctx.corpus.test.numel() else None
+    log.info("baseline (full): held-out %.3f", backbone)
+    ctx.tracker.metrics({"final/backbone_ppl": backbone, "final/backbone_test_ppl": backbone_test})
+
+    def on_a(ev: dict) -> None:
+        _log_evaluation(ctx.tracker, "phase_a", ev)
+
+    def on_b(ev: dict) -> None:
+        _log_evaluation(ctx.tracker, "phase_b", ev, _phase_a_steps(cfg))
+
+    t0 = time.perf_counter()
+    result, selection = stage_a.run(ctx, on_a)
+    _done(ctx, "phase_a")
+    keep = structure(ctx, selection.logits)
+    ev = selection.evaluation
+    if stage_a.ship_rule(cfg) is not None and ev is not None and not selection.fell_back:
+        masked = ev["held_ppl"]  # that evaluation scored this very structure
+    else:
+        masked = ctx.held_ppl(keep.visits)
+    ctx.seconds["phase_a"] = time.perf_counter() - t0
+    ctx.memory.stage_done("phase_a")
+    _log_structure(ctx, keep, masked, result.cached)
+    start = stage_b.Repaired(None, masked)
+    learned = cfg.phase_a.method == "learned"
+    key_a = stage_a.phase_a_key(ctx, for_resume=True) if learned else "baseline"
+    ls = _timed(ctx, "least_squares", stage_b.least_squares, ctx, keep, start)
+    final = _timed(ctx, "phase_b", stage_b.phase_b, ctx, keep, ls, key_a, on_b)
+    _done(ctx, "phase_b")
+    out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)
     return finish(ctx, out)
 
 
-# -- Phase A ----------------------------------------------------------------------------------
-def phase_a_key(ctx: Ctx) -> str:
-    """Everything Phase A's training depends on; ``target_sparsity`` is not part of it."""
-    cfg = ctx.cfg
-    a = {k: v for k, v in resolved(cfg.phase_a).items() if k != "target_sparsity"}
-    world = cfg.trainer.devices * cfg.trainer.num_nodes
-    return digest(
-        {
-            "model": ctx.model.key,
-            "loops": ctx.model.stack.loops,
-            "loop_norm": ctx.model.stack.loop_norm,
-            "corpus": ctx.corpus.key,
-            "seed": cfg.seed,
-            "phase_a": a,
-            "world": world,
-            "eval_batch": cfg.trainer.eval_batch_size,
-            "version": 1,
-        }
-    )
-
-
-def wanda_scores(ctx: Ctx) -> torch.Tensor:
-    """Wanda-sp scores of this model on this corpus's calibration set (cached)."""
-    from bake import wanda
-
-    stack = ctx.model.stack
-    key = digest([ctx.model.key, ctx.corpus.key, stack.loops, stack.loop_norm])
-    path = ctx.cache / "wanda" / f"{ctx.cfg.model.name}-{key}.safetensors"
-    return wanda.cached_scores(stack, ctx.corpus.calib, path)
-
-
-def initial_logits(ctx: Ctx) -> torch.Tensor:
-    a, stack = ctx.cfg.phase_a, ctx.model.stack
-    m0 = masks.mask_init_logit(stack.loops, a.init_logit)
-    if a.init == "wanda":
-        from bake import wanda
-
-        return wanda.init_logits(wanda_scores(ctx), m0)
-    return torch.full((stack.num_virtual, stack.inter), m0)
-
-
-def wanda_baseline(ctx: Ctx) -> PhaseAResult:
-    """Phase A replaced by the Wanda-sp baseline: top-k by score at the target sparsity."""
-    from bake import wanda
-
-    t0 = time.perf_counter()
-    a = ctx.cfg.phase_a
-    logits = wanda.baseline_logits(wanda_scores(ctx), a.target_sparsity)
-    keep = masks.alive(logits, a.tau)
-    ppl = ctx.held_ppl(masks.hard_gates(logits.to(ctx.model.stack.device), a.tau))
-    ev = {"step": 0, "l1": 0.0, "sparsity": masks.sparsity(keep), "held_ppl": ppl, "closed": 0}
-    log.info("[A] Wanda-sp baseline: %.2f%% pruned, held-PPL %.3f", 100 * ev["sparsity"], ppl)
-    return PhaseAResult([ev], logits[None].clone(), logits, time.perf_counter() - t0, 0.0, 0.0)
-
-
-def _log_evaluation(tracker: Tracker, prefix: str, ev: dict) -> None:
-    skip = {"step", "closed_names", "score"}
-    tracker.metrics({f"{prefix}/{k}": v for k, v in ev.items() if k not in skip}, ev["step"])
-
-
-def _phase_a(ctx: Ctx) -> tuple[PhaseAResult, Selection, float]:
-    from bake.phases.phase_a import PhaseA, PhaseASettings, eval_every_note
-
-    cfg, stack = ctx.cfg, ctx.model.stack
-    key = phase_a_key(ctx)
-    cache_path = ctx.cache / "phase_a" / f"{cfg.model.name}-{key}.safetensors"
-    phase_dir = ctx.run_dir / "checkpoints" / "phase_a"
-    result = PhaseAResult.load(cache_path) if cfg.phase_a.method == "learned" else None
-    best = None
-    if cfg.phase_a.method == "wanda_sp":
-        result = wanda_baseline(ctx)
-    elif result is not None:
-        log.info(
-            "Phase A: reusing the cached result %s (trained once for these settings; "
-            "only the selection depends on phase_a.target_sparsity)",
-            cache_path,
-        )
-        if not ctx.record.stages.get("phase_a_logged"):
-            for ev in result.evaluations:
-                _log_evaluation(ctx.tracker, "phase_a", ev)
-    else:
-        note = eval_every_note(cfg.phase_a.steps, cfg.phase_a.eval_every)
-        if note:
-            log.warning(note)
-        settings = PhaseASettings.from_config(cfg.phase_a, cfg.trainer.eval_batch_size)
-        settings.eval_precision = ctx.eval_precision()
-        module = PhaseA(
-            stack,
-            ctx.corpus.calib,
-            ctx.corpus.held,
-            settings,
-            initial_logits(ctx),
-            Identity(ctx.model.key, key),
-            lambda ev: _log_evaluation(ctx.tracker, "phase_a", ev),
-        )
-        trainer = make_trainer(
-            cfg.trainer, phase_dir, cfg.phase_a.steps, cfg.phase_a.eval_every, "phase_a/select"
-        )
-        t0 = time.perf_counter()
-        fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
-        result = PhaseAResult.from_module(module, time.perf_counter() - t0)
-        best = best_state(phase_dir)
-        if rank_zero():
-            result.save(cache_path)
+def _done(ctx: Ctx, phase: str) -> None:
+    """Mark a phase finished in the run's record: a resume may no longer change its settings."""
     if rank_zero():
-        ctx.record.stages["phase_a_logged"] = True
+        ctx.record.stages[f"{phase}_done"] = True
         ctx.record.save()
-    selection = result.select(cfg.phase_a.target_sparsity, cfg.phase_a.tau)
-    if best is not None and selection.index is not None:
-        # Trained just now: ModelCheckpoint kept the selected evaluation; restore it from there.
-        if not torch.equal(best["logits"].cpu(), selection.logits):
-            raise RuntimeError("phase A: best.ckpt disagrees with the selection rule")
-        selection.logits = best["logits"].float().cpu()
-    (log.warning if selection.fell_back else log.info)("[A] %s", selection.note)
-    masked = ctx.held_ppl(masks.hard_gates(selection.logits.to(stack.device), cfg.phase_a.tau))
-    log.info("[A] %.0fs: masked-PPL %.3f", result.seconds, masked)
+
+
+def _log_structure(ctx: Ctx, keep: export.Keep, masked: float, cached: bool) -> None:
+    a = ctx.cfg.phase_a
+    if keep.dropped:
+        log.info(
+            "[A] target %.1f%%: %d more neurons dropped (lowest %s), %d revived by alignment",
+            100 * a.target_sparsity,
+            keep.dropped,
+            "logits" if a.method == "learned" else "scores",
+            keep.revived,
+        )
+    where = "the cached result" if cached else "the selected evaluation"
+    log.info(
+        "[A] structure from %s: %.2f%% pruned, masked held-PPL %.3f",
+        where,
+        100 * keep.pruned_ratio,
+        masked,
+    )
     ctx.tracker.metrics(
-        {
-            "final/masked_ppl": masked,
-            "phase_a/selected_sparsity": masks.sparsity(
-                masks.alive(selection.logits, cfg.phase_a.tau)
-            ),
-        }
+        {"final/masked_ppl": masked, "phase_a/selected_sparsity": keep.pruned_ratio}
     )
-    return result, selection, masked
-
-
-# -- Phase B ----------------------------------------------------------------------------------
-def _phase_b(ctx: Ctx, selection: Selection, masked: float):
-    """Returns (trained FFN copies or None, overlaid perplexity, info for the report)."""
-    from bake.phases.phase_b import PhaseB, PhaseBSettings
-
-    cfg, stack = ctx.cfg, ctx.model.stack
-    b = cfg.phase_b
-    if not b.enabled:
-        return None, masked, {"enabled": False, "note": "phase_b.enabled=false", "layers": []}
-    gates = masks.hard_gates(selection.logits, cfg.phase_a.tau)
-    settings = PhaseBSettings(
-        b.steps, b.lr, b.layers, b.eval_every, ctx.eval_precision(), cfg.trainer.eval_batch_size
-    )
-    key = digest(
-        {
-            "a": phase_a_key(ctx),
-            "mask": digest(gates.to(torch.uint8).flatten().tolist()),
-            "b": resolved(b),
-        }
-    )
-    module = PhaseB(
-        stack,
-        ctx.corpus.calib,
-        ctx.corpus.held,
-        settings,
-        gates,
-        Identity(ctx.model.key, key),
-        lambda ev: _log_evaluation(ctx.tracker, "phase_b", ev),
-    )
-    phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
-    trainer = make_trainer(cfg.trainer, phase_dir, b.steps, b.eval_every, "phase_b/held_ppl")
-    t0 = time.perf_counter()
-    fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
-    info = {
-        "enabled": True,
-        "layers": list(module.layer_ids),
-        "evaluations": list(module.evaluations),
-        "seconds_train": time.perf_counter() - t0,
-        "sec_fwd_bwd": module.timer.means()[0],
-    }
-    evaluations, layers = module.evaluations, module.layer_ids
-    del module, trainer  # free the copies and optimizer state before reading the best ones
-    gc.collect()
-    memory.trim()
-    trained, overlaid, outcome = phase_b_outcome(evaluations, best_state(phase_dir), masked, layers)
-    (log.info if trained else log.warning)("[B] %s", outcome["note"])
-    return trained, overlaid, info | outcome
-
-
-def phase_b_outcome(evaluations: list[dict], best: dict | None, masked: float, layers: list[int]):
-    """Keep the best copies only when their held-out perplexity is STRICTLY below the masked
-    perplexity of Phase A; otherwise the backbone's FFN weights are used.
-
-    Returns (copies by layer or None, overlaid perplexity, report fields).
-    """
-    best_ppl = min((e["held_ppl"] for e in evaluations), default=math.inf)
-    if best is not None and best_ppl < masked:
-        params = [best[f"ffn.{i}"].float().clone() for i in range(3 * len(layers))]
-        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
-        note = f"restored the best copies: held-PPL {best_ppl:.3f} < masked {masked:.3f}"
-        return trained, best_ppl, {"improved": True, "note": note}
-    why = (
-        "no evaluation was made"
-        if not evaluations
-        else f"best held-PPL {best_ppl:.3f} is not below the masked {masked:.3f}"
-    )
-    note = f"Phase B made no improvement ({why}); the backbone's FFN weights are used"
-    return None, masked, {"improved": False, "note": note}

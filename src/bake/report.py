@@ -10,12 +10,23 @@ import math
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
 
 from bake import export, masks
+from bake.artifact import LOADED_WITH
+from bake.card import write_card
 from bake.errors import BakeError
 from bake.fsutil import staged
 from bake.phases.common import rank_zero
-from bake.stack import Stack, held_nll, perplexity
+from bake.runstate import resolved
+from bake.stack import perplexity
+
+if TYPE_CHECKING:
+    from bake.export import Keep
+    from bake.phases.results import PhaseAResult, Selection
+    from bake.phases.stage_b import Repaired
 
 log = logging.getLogger("bake")
 
@@ -24,35 +35,50 @@ log = logging.getLogger("bake")
 class Outcome:
     """What the phases produced, for the export and the report."""
 
-    backbone: float
-    result: object  # PhaseAResult
-    selection: object  # Selection
-    masked: float
-    trained: dict | None  # Phase B's kept copies by physical layer, or None
-    overlaid: float
-    phase_b: dict
+    backbone: float  # held-out perplexity of the backbone
+    backbone_test: float | None  # on the test split (None: no test split)
+    result: PhaseAResult
+    selection: Selection
+    keep: Keep  # the structure the repairs worked on (on the default path, what ships)
+    masked: float  # held-out perplexity of that structure on the backbone's weights
+    least_squares: Repaired  # after the least-squares repair (or the masked state)
+    final: Repaired  # after Phase B: the FFN weights that ship and their perplexity
     t_start: float
+
+    @property
+    def overlaid(self) -> float:
+        return self.final.ppl
 
 
 def exported_ppl(model_dir: Path, fmt: str, held, device, batch_size: int, precision: str) -> float:
-    """Held-out perplexity of the export, loaded back from disk as a user would load it."""
-    import torch
+    """Held-out perplexity of the export, loaded back from disk as a user would load it
+    (:data:`bake.artifact.LOADED_WITH`) and run through its own forward."""
+    from bake.artifact import artifact_nll, load_artifact
 
-    if fmt == "stock":
-        from transformers import AutoModelForCausalLM
-
-        lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(device).eval()
-        stack, gates = Stack(lm, 1, True), None
-    else:
-        from bake.baked import load_baked
-
-        loaded = load_baked(model_dir, device)
-        if fmt == "looped":
-            stack, gates = loaded.stack(), loaded.gates()
-        else:
-            stack, gates = Stack(loaded, 1, True), None
-    nll, n = held_nll(stack, held, gates, None, batch_size, precision)
+    model = load_artifact(model_dir, fmt, device)
+    nll, n = artifact_nll(model, held, batch_size, precision)
     return perplexity(nll, n)
+
+
+# Relative perplexity difference allowed between the artifact and the in-pipeline model of the
+# same structure: fp32 differs only in summation order (about 1e-6 here); under bf16 autocast
+# the two forwards round differently. A dropped tensor or a wrong config is far outside both.
+CHECK_TOLERANCE = {"fp32": 1e-3, "bf16": 2e-2}
+
+
+def check_export(exported: float, expected: float, family: str, precision: str) -> None:
+    """Raise BakeError unless the artifact's perplexity ``exported`` equals ``expected``, the
+    in-pipeline perplexity of the same structure, within the tolerance of ``precision`` (the
+    evaluations' resolved precision: ``fp32``, or ``bf16`` under autocast)."""
+    tol = CHECK_TOLERANCE[precision]
+    if exported == expected or abs(exported - expected) <= tol * abs(expected):
+        return
+    raise BakeError(
+        f"export ({family}): the artifact's held-out perplexity {exported:.4f} differs from "
+        f"{expected:.4f}, bake's own of the same model, by more than {tol:g} relative "
+        f"({precision}); the export does not reproduce a {family} model, so nothing was "
+        f"written: report this with the source's config.json"
+    )
 
 
 def _plots(stage: Path, out: Outcome, keep, inter: int) -> None:
@@ -63,9 +89,12 @@ def _plots(stage: Path, out: Outcome, keep, inter: int) -> None:
         phase_a_plot(
             out.result.evaluations, out.backbone, out.selection.index, plots / "phase_a.png"
         )
-    if out.phase_b.get("evaluations"):
-        phase_b_plot(out.phase_b["evaluations"], out.masked, plots / "phase_b.png")
-    kept_plot(keep.per_visit, keep.per_layer, inter, plots / "kept_per_layer.png")
+    if out.final.info.get("evaluations"):
+        start = out.least_squares.ppl
+        phase_b_plot(out.final.info["evaluations"], start, plots / "phase_b.png")
+    loops = len(keep.per_visit) // max(1, len(keep.per_layer))
+    before = keep.per_visit_before  # before the target rule and alignment
+    kept_plot(before, keep.per_visit, keep.per_layer, inter, plots / "kept_per_layer.png", loops)
 
 
 def finish(ctx, out: Outcome) -> float:
@@ -74,14 +103,34 @@ def finish(ctx, out: Outcome) -> float:
         return out.overlaid  # other DDP ranks: the artifact is rank zero's
     try:
         report = _write_artifact(ctx, out)
-    except OSError as exc:
+    except BakeError:
+        raise
+    except Exception as exc:  # OSError, and the writers' own errors (safetensors, torch)
+        reason = f"{type(exc).__name__}: {exc}".strip().rstrip(":")[:300]
         raise BakeError(
-            f"export: writing the artifact into {ctx.run_dir} failed ({exc}); nothing "
-            f"half-written was left there: fix the cause and continue with resume={ctx.run_dir}"
-        ) from exc
+            f"export: writing the artifact into {ctx.run_dir} failed ({reason}); nothing "
+            f"half-written was left there: fix the cause (free space, permissions) and "
+            f"continue with resume={ctx.run_dir}"
+        ) from None
     _track(ctx, report, ctx.run_dir)
     print_summary(report, ctx.cfg.tracking)
     return report["perplexity"]["exported"]
+
+
+def _shipped(ctx, out: Outcome) -> tuple[Keep, float]:
+    """The keep masks that ship and bake's own held-out perplexity of them with the final
+    weights: the structure the repairs worked on, or (the reference's order) that structure
+    aligned UP after the repairs, whose revived neurons no repair saw (measured here)."""
+    cfg, stack = ctx.cfg, ctx.model.stack
+    if cfg.export.align_before_repair:
+        return out.keep, out.overlaid
+    a, e = cfg.phase_a, cfg.export
+    keep = export.aligned_after(
+        out.selection.logits, a.tau, e.align, e.uniform_inter, stack.num_layers
+    )
+    if torch.equal(keep.visits, out.keep.visits):
+        return keep, out.overlaid
+    return keep, ctx.held_ppl(keep.visits, out.final.ffn)
 
 
 def _write_artifact(ctx, out: Outcome) -> dict:
@@ -89,34 +138,32 @@ def _write_artifact(ctx, out: Outcome) -> dict:
     together (report.json last) from a staging directory."""
     from omegaconf import OmegaConf
 
-    from bake.runstate import resolved
-
-    cfg, stack, t0 = ctx.cfg, ctx.model.stack, time.perf_counter()
-    a, e = cfg.phase_a, cfg.export
-    keep = export.compute_keep(
-        out.selection.logits, a.tau, e.align, e.uniform_inter, stack.num_layers
-    )
+    t0, cfg = time.perf_counter(), ctx.cfg
+    keep, shipped = _shipped(ctx, out)
+    stack = ctx.model.stack
     model_info = {
         "name": cfg.model.name,
         "key": ctx.model.key,
+        "family": ctx.model.meta.model_type,
         "loops": stack.loops,
         "layers": stack.num_layers,
         "ffn_width": stack.inter,
     }
     params_before, device = sum(p.numel() for p in stack.lm.parameters()), stack.device
+    batch, precision = cfg.trainer.eval_batch_size, ctx.precision
+    test = ctx.corpus.test
     with staged(ctx.run_dir, last="report.json") as stage:
         export.write_masks(stage / "masks.safetensors", keep, out.selection.logits)
-        fmt = export.write_model(stage / "model", stack, ctx.model.tokenizer, keep, out.trained)
+        fmt = export.write_model(stage / "model", stack, ctx.model.tokenizer, keep, out.final.ffn)
         del stack
-        out.trained = None
+        out.final.ffn = out.least_squares.ffn = None
         ctx.release_model()  # the check below loads the export: never two models at once
-        exported = exported_ppl(
-            stage / "model",
-            fmt,
-            ctx.corpus.held,
-            device,
-            cfg.trainer.eval_batch_size,
-            ctx.eval_precision(),
+        exported = exported_ppl(stage / "model", fmt, ctx.corpus.held, device, batch, precision)
+        check_export(exported, shipped, model_info["family"], precision)
+        exported_test = (
+            exported_ppl(stage / "model", fmt, test, device, batch, precision)
+            if test.numel()
+            else None
         )
         (stage / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.tracking.plots:
@@ -124,42 +171,26 @@ def _write_artifact(ctx, out: Outcome) -> dict:
         ctx.seconds["export"] = time.perf_counter() - t0
         ctx.memory.stage_done("export")
         ctx.seconds["total"] = time.perf_counter() - out.t_start
-        sel = out.selection
+        ppl = {
+            "backbone": out.backbone,
+            "masked": out.masked,
+            "least_squares": out.least_squares.ppl,
+            "overlaid": out.overlaid,
+            "shipped": shipped,
+            "exported": exported,
+            "test_backbone": out.backbone_test,
+            "test_exported": exported_test,
+            "precision": precision,
+            "device": str(device),
+        }
         report = {
             "model": model_info,
-            "corpus": {
-                "name": cfg.corpus.name,
-                "held_chunks": int(ctx.corpus.held.shape[0]),
-                "calib_chunks": int(ctx.corpus.calib.shape[0]),
-                "skipped_documents": ctx.corpus.skipped,
-            },
-            "perplexity": {
-                "backbone": out.backbone,
-                "masked": out.masked,
-                "overlaid": out.overlaid,
-                "exported": exported,
-            },
-            "phase_a": {
-                "sparsity": masks.sparsity(masks.alive(sel.logits, a.tau)),
-                "selected_step": sel.evaluation["step"] if sel.evaluation else None,
-                "evaluation_made": sel.index is not None,
-                "fell_back": sel.fell_back,
-                "note": sel.note,
-                "cached": out.result.cached,
-                "evaluations": out.result.evaluations,
-                "sec_fwd_bwd": out.result.sec_fwd_bwd,
-                "sec_opt": out.result.sec_opt,
-            },
-            "phase_b": out.phase_b,
-            "export": {
-                "pruned_ratio": keep.pruned_ratio,
-                "revived": keep.revived,
-                "align": e.align,
-                "uniform_inter": e.uniform_inter,
-                "format": fmt,
-                "kept_per_layer": keep.per_layer,
-                "kept_per_visit": keep.per_visit,
-            },
+            "corpus": _corpus_info(ctx),
+            "perplexity": ppl,
+            "phase_a": _phase_a_info(ctx, out),
+            "least_squares": out.least_squares.info,
+            "phase_b": out.final.info,
+            "export": _export_info(cfg, keep, fmt, model_info["family"]),
             "parameters": {
                 "before": params_before,
                 "after": export.count_parameters(stage / "model"),
@@ -169,8 +200,59 @@ def _write_artifact(ctx, out: Outcome) -> dict:
             "artifact": str(ctx.run_dir / "model"),
             "config": resolved(cfg),
         }
+        write_card(stage / "model", report)
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
     return report
+
+
+def _corpus_info(ctx) -> dict:
+    c = ctx.corpus
+    return {
+        "name": ctx.cfg.corpus.name,
+        "held_chunks": int(c.held.shape[0]),
+        "calib_chunks": int(c.calib.shape[0]),
+        "test_chunks": int(c.test.shape[0]),
+        "skipped_documents": c.skipped,
+        "rejected_lines": c.rejected_lines,
+    }
+
+
+def _phase_a_info(ctx, out: Outcome) -> dict:
+    sel, a = out.selection, ctx.cfg.phase_a
+    return {
+        "method": str(a.method),
+        "sparsity": sel.evaluation["sparsity"] if sel.evaluation else out.keep.pruned_ratio,
+        "raw_sparsity": masks.sparsity(masks.alive(sel.logits, a.tau)),
+        "target_sparsity": a.target_sparsity,
+        "selected_step": sel.evaluation["step"] if sel.evaluation else None,
+        "evaluation_made": sel.index is not None,
+        "fell_back": sel.fell_back,
+        "note": sel.note,
+        "cached": out.result.cached,
+        "resumed_with_changes": "phase_a" in ctx.record.changed_phases(),
+        "evaluations": out.result.evaluations,
+        "sec_fwd_bwd": out.result.sec_fwd_bwd,
+        "sec_opt": out.result.sec_opt,
+    }
+
+
+def _export_info(cfg, keep: Keep, fmt: str, family: str) -> dict:
+    e, target = cfg.export, cfg.phase_a.target_sparsity
+    return {
+        "pruned_ratio": keep.pruned_ratio,
+        "target_met": masks.reaches(keep.pruned_ratio, target),
+        "align": e.align,
+        "uniform_inter": e.uniform_inter,
+        "align_before_repair": e.align_before_repair,
+        "revived": keep.revived,
+        "dropped_for_target": keep.dropped,
+        "format": fmt,
+        "family": family,
+        "loaded_with": LOADED_WITH[fmt],
+        "kept_per_layer": keep.per_layer,
+        "kept_per_visit": keep.per_visit,
+        "kept_per_visit_before_align": keep.per_visit_before,
+    }
 
 
 def _jsonable(x):
@@ -191,8 +273,9 @@ def _track(ctx, report: dict, run_dir: Path) -> None:
             "final/phase_a_sparsity": report["phase_a"]["sparsity"],
             "final/params_before": report["parameters"]["before"],
             "final/params_after": report["parameters"]["after"],
-            "export/revived": ex["revived"],
-            "final/peak_rss_over_loaded": report["memory"]["peak_over_loaded"],
+            "final/seconds": report.get("seconds", {}).get("total"),
+            "export/revived": ex.get("revived"),
+            "final/peak_rss_over_loaded": report.get("memory", {}).get("peak_over_loaded"),
         }
     )
     for name in ("report.json", "masks.safetensors", "config.yaml"):
@@ -207,20 +290,22 @@ def print_summary(report: dict, tcfg) -> None:
         report["export"],
         report["parameters"],
     )
-    step = f"step {pa['selected_step']}" if pa["evaluation_made"] else "no evaluation"
+    step = f"step {pa.get('selected_step')}" if pa.get("evaluation_made") else "no evaluation"
     lines = [
         "",
         "bake summary",
         f"  backbone held-PPL    {ppl['backbone']:.3f}",
         f"  masked (Phase A)     {ppl['masked']:.3f}   {100 * pa['sparsity']:.2f}% pruned, {step}",
         f"  overlaid (Phase B)   {ppl['overlaid']:.3f}",
-        f"  exported             {ppl['exported']:.3f}   {ex['format']} model",
+        f"  exported             {ppl['exported']:.3f}   {ex.get('format', '?')} model",
         f"  pruned               {100 * ex['pruned_ratio']:.2f}% after alignment (align "
-        f"{ex['align']}, +{ex['revived']} revived)",
+        f"{ex.get('align')}, +{ex.get('revived', 0)} revived)",
         f"  parameters           {par['before'] / 1e6:.2f}M -> {par['after'] / 1e6:.2f}M",
         f"  run directory        {Path(report['artifact']).parent}",
         f"  artifact             {report['artifact']}",
     ]
     if tcfg.enabled:
-        lines.append(f"  MLflow UI            mlflow ui --backend-store-uri {tcfg.uri}")
+        from bake.tracking import ui_hint
+
+        lines += ui_hint(tcfg.uri)
     print("\n".join(lines) + "\n", flush=True)

@@ -1,6 +1,7 @@
 """A run directory's record, ``bake_run.json``: the config it was started with, its MLflow run,
-its status. It keeps a bake from overwriting another, and lets ``resume`` check that it is
-continuing the same bake.
+its status, the stages done. It keeps a bake from writing into a directory it does not own, and
+lets ``resume`` check that it is continuing the same bake (with the one kind of change a resume
+may carry: the learning rate of a phase that has not finished, to recover from a diverged loss).
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from bake.errors import BakeError
 from bake.fsutil import atomic_write
 
 RECORD = "bake_run.json"
+LOCK = ".bake.lock"
 # Settings that do not change what a bake computes: they may differ on resume.
 _FREE = ("resume", "paths.", "tracking.", "trainer.progress_bar", "trainer.callbacks")
+# Settings a resume may change while their phase has not finished: the learning rate (the
+# advised recovery from a diverged loss); Phase A's steps too without the controller, whose
+# schedule depends on them (Phase B's cosine always does).
+_RESUMABLE = {"phase_a.lr": "phase_a", "phase_b.lr": "phase_b", "phase_a.steps": "phase_a"}
 
 
 def flatten(node, prefix: str = "") -> dict[str, object]:
@@ -55,6 +61,21 @@ def digest(obj) -> str:
     return hashlib.sha256(json.dumps(obj, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
 
+def code_digest(modules: tuple[str, ...]) -> str:
+    """A hash of the source files of ``modules`` (dotted names): part of the key of every cache
+    whose content they compute, so a change to the code can never be answered from a cache
+    written by the old code."""
+    import importlib.util
+
+    h = hashlib.sha256()
+    for name in modules:
+        spec = importlib.util.find_spec(name)
+        if spec is None or spec.origin is None:
+            raise ValueError(f"no source for module {name}")
+        h.update(name.encode() + b"\0" + Path(spec.origin).read_bytes())
+    return h.hexdigest()[:16]
+
+
 @dataclass
 class RunRecord:
     run_dir: str
@@ -71,13 +92,47 @@ class RunRecord:
         return Path(self.run_dir) / RECORD
 
     def save(self) -> None:
-        with atomic_write(self.path) as tmp:
-            tmp.write_text(json.dumps(asdict(self), indent=2, default=str))
+        """Atomically; on a full disk, in place (the old record's blocks are reused), so that a
+        failure can still be recorded as one."""
+        text = json.dumps(asdict(self), indent=2, default=str)
+        try:
+            with atomic_write(self.path) as tmp:
+                tmp.write_text(text)
+        except OSError:
+            with open(self.path, "r+" if self.path.exists() else "w") as fh:
+                fh.truncate(0)
+                fh.write(text)
+
+    def changed_phases(self) -> list[str]:
+        """The phases this run resumed with changed settings (their results stay private)."""
+        return list(self.stages.get("resumed_with_changes", []))
 
     def update(self, **changes) -> None:
         for k, v in changes.items():
             setattr(self, k, v)
         self.save()
+
+
+def resume_changes(mine: dict, record: RunRecord, resume: str) -> list[str]:
+    """The phases a resume changes settings of (empty: the same settings). Raises BakeError
+    naming the keys when a change is not one a resume may carry."""
+    theirs = record.config
+    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    done = record.stages
+    bad = []
+    for k in keys:
+        phase = _RESUMABLE.get(k)
+        steps_bound = k == "phase_a.steps" and mine.get("phase_a.controller") != "none"
+        if phase is None or done.get(f"{phase}_done") or steps_bound:
+            bad.append(k)
+    if bad:
+        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in bad[:6])
+        raise BakeError(
+            f"resume={resume}: the run was started with other settings ({diff}); pass the "
+            f"same overrides as the original command (only the learning rate of a phase that "
+            f"has not finished may change)"
+        )
+    return sorted({_RESUMABLE[k] for k in keys})
 
 
 def open_record(run_dir: Path, cfg, write: bool = True) -> RunRecord:
@@ -98,17 +153,23 @@ def open_record(run_dir: Path, cfg, write: bool = True) -> RunRecord:
         if write:
             record.save()
         return record
-    stored = json.loads(path.read_text())
-    record = RunRecord(**stored)
-    if record.config_hash != digest(mine):
-        theirs = record.config
-        keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
-        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in keys[:6])
-        raise BakeError(
-            f"resume={cfg.resume}: the run was started with other settings ({diff}); pass the "
-            f"same overrides as the original command"
-        )
+    record = read_record(path)
+    changed = resume_changes(mine, record, cfg.resume) if record.config_hash != digest(mine) else []
     record.run_dir = str(run_dir)
+    if changed:  # the run now computes with these settings; the phases changed are recorded
+        record.config, record.config_hash = mine, digest(mine)
+        record.stages["resumed_with_changes"] = sorted(set(record.changed_phases()) | set(changed))
     if write:
         record.update(resumed=record.resumed + 1, status="RUNNING")
     return record
+
+
+def read_record(path: Path) -> RunRecord:
+    """A run's record; BakeError naming the file when it is not one."""
+    try:
+        return RunRecord(**json.loads(Path(path).read_text()))
+    except (OSError, ValueError, TypeError) as exc:
+        raise BakeError(
+            f"{path}: not a readable bake record ({type(exc).__name__}: {exc}); this directory "
+            f"cannot be resumed"
+        ) from None

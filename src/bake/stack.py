@@ -129,6 +129,19 @@ class Stack:
         rows = hn[:, :-1].reshape(-1, hn.shape[-1])
         return _HeadCrossEntropy.apply(rows, self.head.weight, ids[:, 1:].reshape(-1))
 
+    def distill_loss(
+        self, ids: Tensor, alpha: float, gates=None, ffn: FfnOverride | None = None
+    ) -> Tensor:
+        """(1 - alpha) * cross-entropy + alpha * KL(teacher || student), per position, mean:
+        the student is this stack with ``gates`` and ``ffn``, the teacher the unpruned
+        backbone on the same chunk (no gradient)."""
+        with torch.no_grad():
+            teacher = self.hidden(ids)[:, :-1].reshape(-1, self.hidden_size)
+        hn = self.hidden(ids, gates, ffn)
+        rows = hn[:, :-1].reshape(-1, hn.shape[-1])
+        targets = ids[:, 1:].reshape(-1)
+        return _HeadDistill.apply(rows, teacher, self.head.weight, targets, float(alpha))
+
 
 class _GatedFFN(torch.autograd.Function):
     """down(silu(gate_proj x) * up_proj x * gate): the FFN with its neuron gate, keeping only the
@@ -225,6 +238,61 @@ class _HeadCrossEntropy(torch.autograd.Function):
     def backward(ctx, grad_out: Tensor):
         (grad,) = ctx.saved_tensors
         return grad * (grad_out / ctx.n), None, None
+
+
+def _blocks(n: int, vocab: int) -> int:
+    return min(vocab, max(1024, LOGIT_BUDGET // max(n, 1)))
+
+
+def _lse(rows: Tensor, weight: Tensor, dt: torch.dtype) -> Tensor:
+    """Per-row logsumexp of ``rows @ weight.T`` over vocabulary blocks (online)."""
+    n, vocab = rows.shape[0], weight.shape[0]
+    block = _blocks(n, vocab)
+    m = torch.full((n,), -math.inf, dtype=dt, device=rows.device)
+    s = torch.zeros(n, dtype=dt, device=rows.device)
+    for j0 in range(0, vocab, block):
+        logits = (rows @ weight[j0 : j0 + block].T).to(dt)
+        m_new = torch.maximum(m, logits.amax(dim=1))
+        s = s * torch.exp(m - m_new) + logits.sub_(m_new[:, None]).exp_().sum(dim=1)
+        m = m_new
+    return m + s.log()
+
+
+class _HeadDistill(torch.autograd.Function):
+    """Mean over rows of (1 - alpha) * CE(student, target) + alpha * KL(teacher || student),
+    both distributions from the frozen head, over vocabulary blocks: a first pass finds each
+    side's logsumexp, a second forms the loss and its gradient w.r.t. the student's rows,
+    (alpha * (p_s - p_t) + (1 - alpha) * (p_s - onehot)) @ weight / N. No [rows, vocab]
+    tensor exists whole."""
+
+    @staticmethod
+    def forward(ctx, rows, teacher, weight, targets, alpha):
+        dt = torch.promote_types(rows.dtype, torch.float32)
+        n, vocab = rows.shape[0], weight.shape[0]
+        lse_s, lse_t = _lse(rows, weight, dt), _lse(teacher, weight, dt)
+        block = _blocks(n, vocab)
+        kl = torch.zeros(n, dtype=dt, device=rows.device)
+        picked = torch.zeros(n, dtype=dt, device=rows.device)
+        grad = torch.zeros_like(rows)
+        for j0 in range(0, vocab, block):
+            w = weight[j0 : j0 + block]
+            log_s = (rows @ w.T).to(dt).sub_(lse_s[:, None])
+            log_t = (teacher @ w.T).to(dt).sub_(lse_t[:, None])
+            here = ((targets >= j0) & (targets < j0 + block)).nonzero().squeeze(1)
+            picked[here] = log_s[here, targets[here] - j0]
+            p_t = log_t.exp()
+            kl += (p_t * (log_t - log_s)).sum(dim=1)
+            g = log_s.exp_().sub_(p_t, alpha=alpha)  # p_s - alpha * p_t
+            grad.addmm_(g.to(grad.dtype), w)
+        grad.sub_(weight[targets], alpha=1.0 - alpha).div_(n)
+        ctx.save_for_backward(grad)
+        loss = (1.0 - alpha) * (-picked) + alpha * kl
+        return (loss.sum(dtype=torch.float64) / n).to(rows.dtype)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (grad,) = ctx.saved_tensors
+        return grad * grad_out, None, None, None, None
 
 
 def autocast_for(device: torch.device, precision: str):

@@ -1,17 +1,20 @@
 """MLflow: one run per bake, spanning both phases and the export.
 
 bake owns the run's start and end (Lightning's MLFlowLogger would end it when ``fit`` ends) and
-logs against the global step of each phase. The default store is SQLite under ``outputs/``,
-with the experiment's artifacts under ``outputs/`` too; a tracking server must answer before
-any training starts.
+logs every metric against one global step across both phases. Metrics are rounded to the digits
+a person reads (report.json keeps full precision). The default store is SQLite under
+``outputs/``, with the experiment's artifacts under ``outputs/`` too; a tracking server must
+answer before any training starts.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import subprocess
+from contextlib import contextmanager
 from pathlib import Path
 
 from bake.errors import BakeError
@@ -21,6 +24,20 @@ log = logging.getLogger("bake.tracking")
 # A failing server would otherwise be retried for minutes.
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "2")
 os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", "20")
+
+SIGNIFICANT = 6  # digits of a metric in MLflow: 259.533, 0.175, 8.89412; counts stay exact
+# bake's runs are model training: MLflow 3 releases that pick an experiment's view from this tag
+# open its runs table (3.17 opens its GenAI view whatever the tag; see the README).
+EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
+NOTE = "mlflow.note.content"  # the run's description in the UI (markdown)
+
+
+def rounded(value) -> float:
+    """A metric as MLflow shows it: integers exact, other values to :data:`SIGNIFICANT`
+    significant digits, so the runs table's columns read like bake's own output."""
+    if isinstance(value, numbers.Integral):
+        return float(value)
+    return float(f"{float(value):.{SIGNIFICANT}g}")
 
 
 class Tracker:
@@ -40,7 +57,7 @@ class Tracker:
 
         now = _now_ms()
         batch = [
-            Metric(k, float(v), now, step or 0)
+            Metric(k, rounded(v), now, step or 0)
             for k, v in values.items()
             if v is not None and not isinstance(v, bool) and math.isfinite(float(v))
         ]
@@ -62,6 +79,15 @@ class Tracker:
         from mlflow.entities import RunTag
 
         self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in values.items()])
+
+    def note(self, markdown: str) -> None:
+        """The run's description, shown on its page in the UI."""
+        self.tags({NOTE: markdown})
+
+    def table(self, columns: dict[str, list], artifact_file: str) -> None:
+        """A table artifact (JSON, column -> values) that the UI shows as a table."""
+        if self.enabled:
+            self.client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
 
     def artifact(self, path: Path, subdir: str | None = None) -> None:
         if self.enabled and Path(path).exists():
@@ -101,31 +127,68 @@ def check_reachable(uri: str) -> None:
 
 
 def client_for(tcfg):
-    """An MlflowClient on ``tracking.uri`` (the SQLite file's folder is made on demand)."""
+    """An MlflowClient on ``tracking.uri`` (the SQLite file's folder is made on demand).
+
+    MLflow creates (or migrates) a SQLite store's schema on first use, and two processes doing
+    it at once fail ("duplicate column name"): bakes started together on a fresh outputs/
+    (parallel launchers, two terminals) take turns through a lock file beside the store.
+    """
     from mlflow import MlflowClient
 
     uri = tcfg.uri
     check_reachable(uri)
-    if uri.startswith("sqlite:///"):
-        Path(uri[len("sqlite:///") :]).parent.mkdir(parents=True, exist_ok=True)
-    return MlflowClient(tracking_uri=uri)
+    if not uri.startswith("sqlite:///"):
+        return MlflowClient(tracking_uri=uri)
+    db = Path(uri[len("sqlite:///") :])
+    db.parent.mkdir(parents=True, exist_ok=True)
+    with _store_lock(db):
+        client = MlflowClient(tracking_uri=uri)
+        client.search_experiments(max_results=1)  # the schema exists once this returns
+    return client
+
+
+@contextmanager
+def _store_lock(db: Path):
+    import fcntl
+
+    with open(db.with_name(db.name + ".lock"), "a") as fh:
+        fcntl.flock(fh, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh, fcntl.LOCK_UN)
 
 
 def experiment_id(client, tcfg) -> str:
-    """The experiment's id, created with its artifact location under outputs/ when new."""
+    """The experiment's id, created with its artifact location under outputs/ when new, and
+    marked as model training (:data:`EXPERIMENT_KIND`)."""
     exp = client.get_experiment_by_name(tcfg.experiment)
-    if exp is not None:
-        return exp.experiment_id
-    location = None
-    if tcfg.artifact_location:
-        location = Path(tcfg.artifact_location).expanduser().resolve().as_uri()
-    try:
-        return client.create_experiment(tcfg.experiment, artifact_location=location)
-    except Exception:  # created meanwhile by a parallel job
+    if exp is None:
+        location = None
+        if tcfg.artifact_location:
+            location = Path(tcfg.artifact_location).expanduser().resolve().as_uri()
+        try:
+            client.create_experiment(tcfg.experiment, artifact_location=location)
+        except Exception:  # created meanwhile by a parallel job
+            if client.get_experiment_by_name(tcfg.experiment) is None:
+                raise
         exp = client.get_experiment_by_name(tcfg.experiment)
-        if exp is None:
-            raise
-        return exp.experiment_id
+    for key, value in EXPERIMENT_KIND.items():
+        if exp.tags.get(key) is None:  # new, or made before bake set the tag
+            client.set_experiment_tag(exp.experiment_id, key, value)
+    return exp.experiment_id
+
+
+def ui_hint(uri: str) -> list[str]:
+    """Summary lines on opening the runs: the UI command (one worker answers in seconds on a
+    small machine; the default several take about a minute on 2 cores) and the view to pick,
+    since MLflow 3 opens an experiment in its GenAI view."""
+    if uri.startswith(("http://", "https://")):
+        return [f'  MLflow UI            {uri}  (choose "Model training" in its sidebar)']
+    return [
+        f"  MLflow UI            mlflow ui --backend-store-uri {uri} --workers 1",
+        '                       then open http://127.0.0.1:5000 and choose "Model training"',
+    ]
 
 
 def git_commit() -> str | None:

@@ -34,24 +34,41 @@ def _ranges(cfg, problems: list[str]) -> None:
         a.target_sparsity,
         "must be in [0, 1): a fraction of FFN neurons (0 = lowest held-out perplexity)",
     )
-    need(a.lr > 0, "phase_a.lr", a.lr, "must be > 0")
-    for key in ("l1_init", "l1_step", "l1_mult"):
-        value = a[key]
-        need(value >= 0 and math.isfinite(value), f"phase_a.{key}", value, "must be >= 0")
-    need(math.isfinite(a.init_logit), "phase_a.init_logit", a.init_logit, "must be finite")
-    if a.method == "wanda_sp":
+    need(a.lr > 0 and math.isfinite(a.lr), "phase_a.lr", a.lr, "must be a finite number > 0")
+    need(0 <= a.ramp <= 1, "phase_a.ramp", a.ramp, "must be in [0, 1]: a fraction of the steps")
+    if a.controller == "schedule":
         need(
             a.target_sparsity > 0,
             "phase_a.target_sparsity",
             a.target_sparsity,
-            "must be > 0 with phase_a.method=wanda_sp (the fraction of neurons it drops)",
+            "must be > 0 with phase_a.controller=schedule (the sparsity it steers to)",
+        )
+    for key in ("l1_init", "l1_step", "l1_mult"):
+        value = a[key]
+        need(value >= 0 and math.isfinite(value), f"phase_a.{key}", value, "must be >= 0")
+    need(math.isfinite(a.init_logit), "phase_a.init_logit", a.init_logit, "must be finite")
+    if a.method != "learned":
+        need(
+            a.target_sparsity > 0,
+            "phase_a.target_sparsity",
+            a.target_sparsity,
+            f"must be > 0 with phase_a.method={a.method} (the fraction of neurons it drops)",
         )
     need(b.steps >= 1, "phase_b.steps", b.steps, "must be >= 1 (phase_b.enabled=false skips it)")
     need(b.eval_every >= 1, "phase_b.eval_every", b.eval_every, "must be >= 1")
-    need(b.lr > 0, "phase_b.lr", b.lr, "must be > 0")
+    need(b.lr > 0 and math.isfinite(b.lr), "phase_b.lr", b.lr, "must be a finite number > 0")
+    need(0 <= b.distill <= 1, "phase_b.distill", b.distill, "must be in [0, 1]: the KL's weight")
+    need(b.ls_chunks >= 1, "phase_b.ls_chunks", b.ls_chunks, "must be >= 1")
+    need(
+        b.ls_ridge > 0 and math.isfinite(b.ls_ridge),
+        "phase_b.ls_ridge",
+        b.ls_ridge,
+        "must be a finite number > 0 (a fraction of the Gram matrix's mean diagonal)",
+    )
     need(e.align >= 0, "export.align", e.align, "must be >= 0 (0 or 1: no alignment)")
     need(c.chunk_len >= 2, "corpus.chunk_len", c.chunk_len, "must be >= 2 (one prediction)")
     need(c.held_chunks >= 1, "corpus.held_chunks", c.held_chunks, "must be >= 1")
+    need(c.test_chunks >= 0, "corpus.test_chunks", c.test_chunks, "must be >= 0 (0: no test set)")
     need(
         c.calib_chunks >= MIN_CALIB_CHUNKS,
         "corpus.calib_chunks",
@@ -104,12 +121,113 @@ def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
         )
     if meta.loops < 1:
         problems.append(f"model.loops={meta.loops}: must be >= 1")
+    _target(cfg, meta, problems)
 
 
-def validate(cfg) -> ModelMeta:
+def _target(cfg, meta: ModelMeta, problems: list[str]) -> None:
+    """A target the export must meet after alignment has to be reachable at all."""
+    a, e = cfg.phase_a, cfg.export
+    if not 0 < a.target_sparsity < 1 or not e.align_before_repair or meta.loops < 1:
+        return
+    rows, inter = meta.num_layers * meta.loops, meta.intermediate
+    keep_at_most = math.floor((1.0 - a.target_sparsity) * rows * inter + 1e-9)
+    narrowest = min(max(e.align, 1), inter)
+    if narrowest * rows > keep_at_most:
+        problems.append(
+            f"phase_a.target_sparsity={a.target_sparsity}: cannot be met with "
+            f"export.align={e.align} (every layer keeps at least {narrowest} of its {inter} "
+            f"neurons, {100 * (1 - narrowest / inter):.1f}% pruned at most); lower the target "
+            f"or export.align"
+        )
+
+
+ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
+STRATEGIES = ("auto", "ddp")  # bake's step semantics are defined for these (see README)
+
+
+def _trainer(cfg, multirun: bool, problems: list[str]) -> None:
+    t = cfg.trainer
+    if str(t.accelerator) not in ACCELERATORS:
+        problems.append(
+            f"trainer.accelerator={t.accelerator}: not one of {', '.join(ACCELERATORS)}"
+        )
+    elif str(t.accelerator) in ("cuda", "gpu"):
+        import torch
+
+        if not torch.cuda.is_available():
+            problems.append(
+                f"trainer.accelerator={t.accelerator}: no CUDA device is available here; use "
+                f"trainer.accelerator=auto or cpu"
+            )
+    if str(t.strategy) not in STRATEGIES:
+        problems.append(f"trainer.strategy={t.strategy}: not one of {', '.join(STRATEGIES)}")
+    distributed = str(t.strategy) == "ddp" or t.devices * t.num_nodes > 1
+    if multirun and distributed:
+        problems.append(
+            f"trainer.strategy={t.strategy} (devices={t.devices}, num_nodes={t.num_nodes}): "
+            f"not inside a sweep (-m), where Lightning would relaunch the whole sweep per rank; "
+            f"run the jobs one by one, or sweep with a cluster launcher and one device each"
+        )
+
+
+def _unknown_keys(cfg, problems: list[str]) -> None:
+    """Keys the schemas do not have (``+phase_a.target_sparsty=0.3`` gets past Hydra's
+    compose-time check), with the closest known key."""
+    import difflib
+    from dataclasses import fields, is_dataclass
+
+    from omegaconf import OmegaConf
+
+    from bake.config import BakeConf
+
+    def walk(node, schema, prefix: str) -> None:
+        if not is_dataclass(schema) or not OmegaConf.is_dict(node):
+            return
+        known = {f.name: f.type for f in fields(schema)}
+        for key in node.keys():
+            if key == "hydra":
+                continue
+            if key not in known:
+                close = difflib.get_close_matches(str(key), list(known), n=1)
+                hint = f"; did you mean {prefix}{close[0]}?" if close else ""
+                problems.append(f"{prefix}{key}: not a bake setting{hint}")
+                continue
+            child = schema.__dataclass_fields__[key]
+            sub = _schema_of(child)
+            if sub is not None:
+                walk(node[key], sub, f"{prefix}{key}.")
+
+    walk(cfg, BakeConf, "")
+
+
+def _schema_of(field_):
+    """The dataclass a schema field holds (None for a leaf)."""
+    from dataclasses import MISSING, is_dataclass
+
+    if field_.default_factory is not MISSING:
+        value = field_.default_factory()
+        return type(value) if is_dataclass(value) else None
+    from bake import config as c
+
+    names = {
+        "model": c.ModelConf,
+        "corpus": c.CorpusConf,
+        "phase_a": c.PhaseAConf,
+        "phase_b": c.PhaseBConf,
+        "export": c.ExportConf,
+        "tracking": c.TrackingConf,
+        "trainer": c.TrainerConf,
+        "tiny": c.TinyConf,
+    }
+    return names.get(field_.name)
+
+
+def validate(cfg, multirun: bool = False) -> ModelMeta:
     """Check the whole config; raise ConfigError listing every problem. Returns the model shape."""
     problems: list[str] = []
+    _unknown_keys(cfg, problems)
     _ranges(cfg, problems)
+    _trainer(cfg, multirun, problems)
     _sources(cfg, problems)
     meta = None
     try:

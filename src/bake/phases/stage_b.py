@@ -1,0 +1,175 @@
+"""The repairs as a stage of a bake: the closed-form least-squares repair, then Phase B.
+
+Each repair starts from what the one before it kept and is kept only when its held-out
+perplexity is STRICTLY below the perplexity it started from (:func:`bake.masks.select_repair`);
+otherwise the weights it started from stay. Both repair the structure given to them: on the
+default path that is the structure that ships, so the export never revives an unrepaired
+neuron.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import torch
+
+from bake import masks, memory
+from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
+from bake.runstate import digest, resolved
+from bake.stack import FfnOverride
+
+if TYPE_CHECKING:
+    from bake.export import Keep
+    from bake.pipeline import Ctx
+
+log = logging.getLogger("bake")
+
+
+@dataclass
+class Repaired:
+    """FFN weights so far (None: the backbone's), their held-out perplexity, what happened."""
+
+    ffn: FfnOverride | None
+    ppl: float
+    info: dict = field(default_factory=dict)
+
+
+def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
+    """The closed-form repair of every layer's ``down_proj`` (``phase_b.least_squares``),
+    computed once per run directory (a resumed bake reads it back)."""
+    from safetensors.torch import load_file
+
+    from bake import repair
+
+    b = ctx.cfg.phase_b
+    if not b.least_squares:
+        return Repaired(start.ffn, start.ppl, {"enabled": False})
+    t0 = time.perf_counter()
+    stack = ctx.model.stack
+    path = ctx.run_dir / "checkpoints" / "least_squares.safetensors"
+    mask_key = digest(keep.visits.to(torch.uint8).flatten().tolist())
+    downs = load_file(path) if path.is_file() else {}
+    if downs.get("mask") is None or digest(downs["mask"].tolist()) != mask_key:
+        calib = ctx.corpus.calib[: b.ls_chunks]
+        ffn = repair.least_squares(stack, calib, keep.visits, keep.physical, b.ls_ridge)
+        downs = {f"down.{li}": w[2].cpu().contiguous() for li, w in ffn.items()}
+        downs["mask"] = keep.visits.to(torch.uint8).flatten()
+        _save_downs(path, downs)
+    ffn = {
+        li: (*stack.ffn_weights(li)[:2], downs[f"down.{li}"].to(stack.device))
+        for li in range(stack.num_layers)
+    }
+    ppl = ctx.held_ppl(keep.visits, ffn)
+    kept = masks.select_repair([ppl], start.ppl) is not None
+    info = {
+        "enabled": True,
+        "held_ppl": ppl,
+        "improved": kept,
+        "chunks": int(min(b.ls_chunks, ctx.corpus.calib.shape[0])),
+        "seconds": time.perf_counter() - t0,
+    }
+    verdict = "kept: below" if kept else "not kept: not below"
+    log.info("[LS] least-squares repair: held-PPL %.3f (%s %.3f)", ppl, verdict, start.ppl)
+    if not kept:
+        return Repaired(start.ffn, start.ppl, info)
+    return Repaired(ffn, ppl, info)
+
+
+def _save_downs(path, downs: dict) -> None:
+    """The repaired ``down_proj`` weights of a run, for its resume (atomic)."""
+    from safetensors.torch import save_file
+
+    from bake.fsutil import atomic_write
+
+    with atomic_write(path) as tmp:
+        save_file(downs, str(tmp))
+
+
+def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) -> Repaired:
+    """Phase B's gradient repair of the chosen layers, from the weights so far."""
+    from bake.phases.phase_b import PhaseB, PhaseBSettings
+
+    cfg, stack = ctx.cfg, ctx.model.stack
+    b = cfg.phase_b
+    if not b.enabled:
+        return Repaired(start.ffn, start.ppl, {"enabled": False, "note": "phase_b.enabled=false"})
+    gates = keep.visits.float()
+    settings = PhaseBSettings(
+        b.steps,
+        b.lr,
+        b.layers,
+        b.eval_every,
+        ctx.precision,
+        cfg.trainer.eval_batch_size,
+        b.all_layers,
+        b.distill,
+        start.ppl,
+    )
+    resumable = {k: v for k, v in resolved(b).items() if k != "lr"}  # a resume may lower it
+    key = digest(
+        {
+            "a": key_a,
+            "mask": digest(keep.visits.to(torch.uint8).flatten().tolist()),
+            "b": resumable,
+            "start": start.ppl,
+        }
+    )
+    module = PhaseB(
+        stack,
+        ctx.corpus.calib,
+        ctx.corpus.held,
+        settings,
+        gates,
+        Identity(ctx.model.key, key),
+        on_evaluation,
+        start.ffn,
+    )
+    phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
+    trainer = make_trainer(cfg.trainer, phase_dir, b.steps, b.eval_every, "phase_b/select")
+    t0 = time.perf_counter()
+    fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
+    evaluations, layers, kept = list(module.evaluations), list(module.layer_ids), module.choice()
+    info = {
+        "enabled": True,
+        "layers": layers,
+        "all_layers": bool(b.all_layers),
+        "distill": float(b.distill),
+        "evaluations": evaluations,
+        "seconds_train": time.perf_counter() - t0,
+        "sec_fwd_bwd": module.timer.means()[0],
+    }
+    del module, trainer  # free the copies and optimizer state before reading the best ones
+    gc.collect()
+    memory.trim()
+    out = outcome(evaluations, kept, best_state(phase_dir), start, layers)
+    (log.info if out.info["improved"] else log.warning)("[B] %s", out.info["note"])
+    out.info = info | out.info
+    return out
+
+
+def outcome(
+    evaluations: list[dict], kept: int | None, best: dict | None, start: Repaired, layers
+) -> Repaired:
+    """The trained copies of the kept evaluation (best.ckpt) over the weights Phase B started
+    from, or those weights when no evaluation was kept."""
+    if kept is not None and best is not None:
+        ppl = evaluations[kept]["held_ppl"]
+        params = [best[f"ffn.{i}"].float().clone() for i in range(3 * len(layers))]
+        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
+        note = (
+            f"restored the best copies: held-PPL {ppl:.3f} at step "
+            f"{evaluations[kept]['step']} < {start.ppl:.3f} before Phase B"
+        )
+        ffn = {**(start.ffn or {}), **trained}
+        return Repaired(ffn, ppl, {"improved": True, "note": note})
+    if not evaluations:
+        why = "no evaluation was made"
+    else:
+        best_seen = min((e["held_ppl"] for e in evaluations), default=float("nan"))
+        why = f"best held-PPL {best_seen:.3f} is not below {start.ppl:.3f} before Phase B"
+    note = f"Phase B made no improvement ({why}); the weights before Phase B are used"
+    return Repaired(start.ffn, start.ppl, {"improved": False, "note": note})

@@ -1,0 +1,157 @@
+"""The recipe in plain torch, written from the reference (skillbake.rs), for tests only.
+
+It imports nothing of bake: a Llama forward from the raw weight tensors (RMSNorm, rotary
+embedding, grouped-query causal attention, the SwiGLU FFN with a gate on the input of
+down_proj), the looped variant (virtual layer v runs physical layer v % n, pass-major, the
+final norm between passes), and one step of each phase with the reference's loss, its global
+norm clip and a hand-written Adam. Attention is run without gradient, as the recipe does.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+
+class TinyLlama:
+    """The tiny model's weights as plain tensors, read from a transformers state dict."""
+
+    def __init__(self, state: dict, config, loops: int = 1, loop_norm: bool = True):
+        self.w = {k: v.detach().clone() for k, v in state.items()}
+        self.layers = config.num_hidden_layers
+        self.heads = config.num_attention_heads
+        self.kv_heads = config.num_key_value_heads
+        self.hidden = config.hidden_size
+        self.head_dim = self.hidden // self.heads
+        self.eps = config.rms_norm_eps
+        self.theta = config.rope_parameters["rope_theta"]
+        self.loops, self.loop_norm = loops, loop_norm
+        self.head = self.w.get("lm_head.weight", self.w["model.embed_tokens.weight"])
+
+    def ffn(self, i: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        p = f"model.layers.{i}.mlp."
+        return (
+            self.w[p + "gate_proj.weight"],
+            self.w[p + "up_proj.weight"],
+            self.w[p + "down_proj.weight"],
+        )
+
+    def rms(self, x, weight):
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
+
+    def rope(self, x, t: int):
+        half = self.head_dim // 2
+        inv = 1.0 / (self.theta ** (torch.arange(0, half, dtype=torch.float64) / half))
+        ang = torch.arange(t, dtype=torch.float64)[:, None] * inv[None]
+        cos = torch.cat([ang.cos(), ang.cos()], -1).to(x.dtype)
+        sin = torch.cat([ang.sin(), ang.sin()], -1).to(x.dtype)
+        rotated = torch.cat([-x[..., half:], x[..., :half]], -1)
+        return x * cos + rotated * sin
+
+    @torch.no_grad()
+    def attention(self, i: int, x):
+        p = f"model.layers.{i}.self_attn."
+        b, t, _ = x.shape
+        q = (x @ self.w[p + "q_proj.weight"].T).view(b, t, self.heads, self.head_dim)
+        k = (x @ self.w[p + "k_proj.weight"].T).view(b, t, self.kv_heads, self.head_dim)
+        v = (x @ self.w[p + "v_proj.weight"].T).view(b, t, self.kv_heads, self.head_dim)
+        q, k, v = (z.transpose(1, 2) for z in (q, k, v))
+        q, k = self.rope(q, t), self.rope(k, t)
+        rep = self.heads // self.kv_heads
+        k, v = k.repeat_interleave(rep, dim=1), v.repeat_interleave(rep, dim=1)
+        scores = (q @ k.transpose(-1, -2)) / math.sqrt(self.head_dim)
+        causal = torch.ones(t, t, dtype=torch.bool).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+        out = (scores.softmax(-1) @ v).transpose(1, 2).reshape(b, t, -1)
+        return out @ self.w[p + "o_proj.weight"].T
+
+    def logits(self, ids, gates=None, ffn: dict | None = None):
+        """Logits [batch, seq, vocab]; ``gates`` one row per virtual layer; ``ffn`` physical
+        layer -> (gate, up, down) weights replacing the model's."""
+        h = self.w["model.embed_tokens.weight"][ids]
+        n = self.layers
+        for v in range(n * self.loops):
+            i = v % n
+            p = f"model.layers.{i}."
+            h = h + self.attention(i, self.rms(h, self.w[p + "input_layernorm.weight"]))
+            x = self.rms(h, self.w[p + "post_attention_layernorm.weight"])
+            wg, wu, wd = (ffn or {}).get(i) or self.ffn(i)
+            act = F.silu(x @ wg.T) * (x @ wu.T)
+            if gates is not None:
+                act = act * gates[v]
+            h = h + act @ wd.T
+            if self.loop_norm and i == n - 1 and v < n * self.loops - 1:
+                h = self.rms(h, self.w["model.norm.weight"])
+        return self.rms(h, self.w["model.norm.weight"]) @ self.head.T
+
+    def ce(self, ids, gates=None, ffn=None):
+        """Mean next-token cross-entropy over positions 1..t (the recipe's training loss)."""
+        logits = self.logits(ids, gates, ffn)
+        return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1))
+
+
+def clip(grads: list[torch.Tensor], max_norm: float = 1.0) -> list[torch.Tensor]:
+    """The reference's global-norm clip: scale by max_norm / norm when norm > max_norm."""
+    norm = math.sqrt(sum(float(g.double().pow(2).sum()) for g in grads))
+    scale = max_norm / norm if norm > max_norm else 1.0
+    return [g * scale for g in grads]
+
+
+class Adam:
+    """The reference's Adam (betas 0.9/0.999, eps 1e-8, bias-corrected, no weight decay)."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float):
+        self.lr, self.t = lr, 0
+        self.m = [torch.zeros_like(p) for p in params]
+        self.v = [torch.zeros_like(p) for p in params]
+
+    def step(self, params, grads, lr_scale: float = 1.0) -> list[torch.Tensor]:
+        self.t += 1
+        bc1, bc2 = 1 - 0.9**self.t, 1 - 0.999**self.t
+        out = []
+        for p, g, m, v in zip(params, grads, self.m, self.v, strict=True):
+            m.mul_(0.9).add_(0.1 * g)
+            v.mul_(0.999).add_(0.001 * g * g)
+            out.append(p - self.lr * lr_scale * (m / bc1) / ((v / bc2).sqrt() + 1e-8))
+        return out
+
+
+def mask_init_logit(loops: int) -> float:
+    """sigma(m0) ** loops == sigma(2.0)."""
+    per_visit = (1 / (1 + math.exp(-2.0))) ** (1 / loops)
+    return math.log(per_visit / (1 - per_visit))
+
+
+def phase_a(model: TinyLlama, calib, logits, steps, lr, l1_init, l1_step, eval_every):
+    """Phase A's steps with the sigmoid gate: CE + l1 / (inter * physical layers) * sum sigma,
+    the L1 weight grown by l1_step after the update of every evaluation step."""
+    opt, l1 = Adam([logits], lr), l1_init
+    inter = logits.shape[1]
+    for s in range(steps):
+        m = logits.detach().clone().requires_grad_()
+        loss = model.ce(calib[s % calib.shape[0]][None], torch.sigmoid(m))
+        loss = loss + l1 / (inter * model.layers) * torch.sigmoid(m).sum()
+        (grad,) = torch.autograd.grad(loss, m)
+        (logits,) = opt.step([logits], clip([grad]))
+        if (s + 1) % eval_every == 0:
+            l1 += l1_step
+    return logits
+
+
+def phase_b(model: TinyLlama, calib, gates, layers, steps, lr):
+    """Phase B's steps: the FFN copies of ``layers`` under the hard ``gates``, cosine learning
+    rate divided by the loop depth, one shared clip over every trained tensor."""
+    copies = {i: [w.clone() for w in model.ffn(i)] for i in layers}
+    flat = [w for i in layers for w in copies[i]]
+    opt = Adam(flat, lr)
+    for s in range(steps):
+        params = [w.detach().clone().requires_grad_() for w in flat]
+        ffn = {i: params[3 * k : 3 * k + 3] for k, i in enumerate(layers)}
+        loss = model.ce(calib[s % calib.shape[0]][None], gates, ffn)
+        grads = torch.autograd.grad(loss, params)
+        scale = 0.5 * (1 + math.cos(math.pi * s / steps)) / model.loops
+        flat = opt.step(flat, clip(list(grads)), scale)
+        copies = {i: flat[3 * k : 3 * k + 3] for k, i in enumerate(layers)}
+    return copies

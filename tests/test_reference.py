@@ -1,0 +1,86 @@
+"""bake against an independent implementation of the recipe (tests/reference_recipe.py, plain
+torch, nothing of bake imported there): the forward, Phase A's steps and Phase B's steps, on
+one and two loops, in float64 (but for transformers' float32 rotary angles), so that only
+arithmetic could tell them apart. The recipe's
+settings are set explicitly here (the defaults are bake's own choice and may change)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from reference_recipe import TinyLlama, mask_init_logit, phase_a, phase_b
+from test_phase_a import tcfg, tiny
+
+from bake import masks
+from bake.phases.common import Identity, make_trainer
+from bake.phases.phase_a import PhaseA, PhaseASettings
+from bake.phases.phase_b import PhaseB, PhaseBSettings
+
+
+def reference_of(stack) -> TinyLlama:
+    return TinyLlama(stack.lm.state_dict(), stack.lm.config, stack.loops, stack.loop_norm)
+
+
+def data(seed: int = 5):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(0, 256, (6, 16), generator=g), torch.randint(0, 256, (3, 16), generator=g)
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_forward_equals_the_reference(loops):
+    stack = tiny(loops=loops)
+    ids, _ = data()
+    gates = torch.rand(stack.num_virtual, stack.inter, dtype=torch.float64)
+    with torch.no_grad():
+        mine = stack.lm.lm_head(stack.hidden(ids, gates))
+    want = reference_of(stack).logits(ids, gates)
+    # transformers forms the rotary angles in float32: differences of ~1e-8 remain
+    torch.testing.assert_close(mine, want, rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    "loops, l1_init, l1_step", [(1, 0.01, 0.5), (2, 0.01, 0.5), (1, 20.0, 400.0)]
+)
+def test_phase_a_steps_equal_the_reference(tmp_path, loops, l1_init, l1_step):
+    """The last case's L1 gradient is far above the clip's norm of 1, by a factor that changes
+    at each evaluation: only the reference's clip gives the reference's steps."""
+    stack = tiny(loops=loops)
+    calib, held = data()
+    m0 = masks.mask_init_logit(loops)
+    init = torch.full((stack.num_virtual, stack.inter), m0, dtype=torch.float64)
+    s = PhaseASettings(
+        steps=5, l1_init=l1_init, l1_step=l1_step, l1_mult=1.0, lr=0.1, eval_every=2, tau=0.5,
+        target_sparsity=0.0, eval_batch_size=3,
+    )  # fmt: skip
+    module = PhaseA(stack, calib, held, s, init, Identity("tiny", "ref"))
+    make_trainer(tcfg(), tmp_path / "a", s.steps, s.eval_every, "phase_a/select").fit(module)
+    want = phase_a(reference_of(stack), calib, init.clone(), 5, 0.1, l1_init, l1_step, 2)
+    torch.testing.assert_close(module.logits.detach(), want, rtol=0, atol=1e-6)
+    assert (want - m0).abs().max() > 0.2  # the steps moved the mask
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_phase_b_steps_under_the_hard_mask_equal_the_reference(tmp_path, loops):
+    stack = tiny(loops=loops)
+    calib, held = data(6)
+    gates = (torch.rand(stack.num_virtual, stack.inter, generator=torch.Generator().manual_seed(1))
+             > 0.3).double()  # fmt: skip
+    s = PhaseBSettings(steps=4, lr=1e-2, layers=2, eval_every=2, eval_batch_size=3)
+    module = PhaseB(stack, calib, held, s, gates, Identity("tiny", "ref"))
+    make_trainer(tcfg(), tmp_path / "b", s.steps, s.eval_every, "phase_b/select").fit(module)
+    want = phase_b(reference_of(stack), calib, gates, [1, 2], 4, 1e-2)
+    for li in (1, 2):
+        for mine, ref in zip(module.copies()[li], want[li], strict=True):
+            torch.testing.assert_close(mine.detach(), ref, rtol=0, atol=1e-7)
+    dropped = ~gates.bool()[2 + (loops - 1) * 3]  # last visit of layer 2
+    if loops == 1:  # a neuron no visit keeps is untouched by the repair
+        before = stack.ffn_weights(2)
+        torch.testing.assert_close(module.copies()[2][0][dropped], before[0][dropped])
+    moved = (module.copies()[2][2] - stack.ffn_weights(2)[2]).abs().max()
+    assert moved > 1e-4  # and the kept ones were trained
+
+
+@pytest.mark.parametrize("loops, pinned", [(1, 2.0), (2, 2.72538), (3, 3.14152), (4, 3.43452)])
+def test_mask_init_logit_pinned(loops, pinned):
+    assert masks.mask_init_logit(loops) == pytest.approx(pinned, abs=1e-4)
+    assert mask_init_logit(loops) == pytest.approx(pinned, abs=1e-4)
