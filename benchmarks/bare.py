@@ -1,10 +1,11 @@
-"""The bake recipe as a bare PyTorch loop: no Lightning, Hydra or MLflow.
+"""bake's default recipe as a bare PyTorch loop: no Lightning, Hydra or MLflow.
 
 The speed benchmark runs it beside ``python -m bake`` with the same steps and evaluations, so
-that the difference is what the framework costs. It reuses bake's model, corpus, forward and
-export code, and writes a JSON line with its wall time, perplexities and memory.
+that the difference is what the framework costs. It reuses bake's model, corpus, forward,
+repair and export code (the recipe's arithmetic, not its orchestration), and prints a JSON line
+with its wall time, perplexities and memory.
 
-    python -m benchmarks.bare --steps-a 40 --eval-a 20 --steps-b 20 --eval-b 10
+    python -m benchmarks.bare --steps-a 32 --eval-a 16 --steps-b 16 --eval-b 8
 """
 
 from __future__ import annotations
@@ -20,23 +21,17 @@ T0 = time.perf_counter()
 
 import torch  # noqa: E402
 
-from bake import export, masks  # noqa: E402
+from bake import export, masks, repair, scores  # noqa: E402
 from bake.corpus import load_corpus  # noqa: E402
 from bake.memory import PeakTracker  # noqa: E402
 from bake.models.loader import load_model  # noqa: E402
 from bake.stack import held_nll, perplexity  # noqa: E402
-
-CONF = Path(__file__).resolve().parents[1] / "conf"
+from benchmarks.common import compose  # noqa: E402
 
 
 def default_config(overrides: list[str] | None = None):
-    """The composed default config's model and corpus sections (Hydra's compose API)."""
-    from hydra import compose, initialize_config_dir
-
-    import bake.config  # noqa: F401  (schemas, resolvers)
-
-    with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        cfg = compose("config", overrides=["paths.outputs=outputs", *(overrides or [])])
+    """The composed default config's model and corpus sections."""
+    cfg = compose(overrides)
     return cfg.model, cfg.corpus
 
 
@@ -44,40 +39,44 @@ def held(stack, chunks, gates=None, ffn=None) -> float:
     return perplexity(*held_nll(stack, chunks, gates, ffn, 4))
 
 
-def phase_a(stack, calib, chunks, steps: int, every: int) -> tuple[torch.Tensor, list]:
-    logits = torch.full((stack.num_virtual, stack.inter), masks.mask_init_logit(stack.loops))
-    logits.requires_grad_()
-    opt = torch.optim.Adam([logits], lr=0.1, betas=(0.9, 0.999), eps=1e-8)
-    l1, evals, snapshots = 0.01, [], []
+def phase_a(stack, calib, chunks, a, rule, init, steps: int, every: int):
+    """The controller's Phase A: the hard structure at the scheduled sparsity, straight-through,
+    Adam on the logits; every ``every`` steps the structure at the target is scored."""
+    logits = init.clone().requires_grad_()
+    opt = torch.optim.Adam([logits], lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
+    ranked = masks.ShipRule(rule.target, rule.align, rule.uniform, rule.tau, True)
+    evals, snapshots = [], []
     for s in range(steps):
-        ids = calib[s % calib.shape[0]][None]
-        loss = stack.loss(ids, torch.sigmoid(logits))
-        loss = loss + masks.l1_penalty(logits, l1, stack.num_layers)
+        sparsity = masks.target_at(s, steps, a.target_sparsity, a.ramp)
+        hard = ranked.at(logits.detach(), sparsity).float()
+        sig = torch.sigmoid(logits)
+        loss = stack.loss(calib[s % calib.shape[0]][None], hard + sig - sig.detach())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         masks.clip_global_norm([logits], 1.0)
         opt.step()
         if (s + 1) % every == 0:
-            l1 += 0.005
-            keep = masks.alive(logits.detach(), 0.5)
-            ppl = held(stack, chunks, keep.float())
-            evals.append((ppl, masks.sparsity(keep)))
+            keep = rule.keep(logits.detach())
+            evals.append((held(stack, chunks, keep.float()), masks.sparsity(keep)))
             snapshots.append(logits.detach().clone())
-    i = masks.select(evals, 0.0)
+    i = masks.select(evals, a.target_sparsity).index
     return (snapshots[i] if i is not None else logits.detach()), evals
 
 
-def phase_b(stack, calib, chunks, gates, steps: int, every: int, layers: int, masked: float):
-    ids_of = list(range(stack.num_layers - layers, stack.num_layers))
+def phase_b(stack, calib, chunks, gates, base, steps: int, every: int, lr: float, start: float):
+    """Every layer's FFN trained from ``base`` under the hard gates, cosine learning rate."""
     copies = {
-        li: [w.detach().clone().requires_grad_() for w in stack.ffn_weights(li)] for li in ids_of
+        li: [
+            w.detach().clone().requires_grad_() for w in (base or {}).get(li, stack.ffn_weights(li))
+        ]
+        for li in range(stack.num_layers)
     }
     params = [p for ws in copies.values() for p in ws]
-    opt = torch.optim.Adam(params, lr=1e-5, betas=(0.9, 0.999), eps=1e-8)
-    best, best_copies = masked, None
+    opt = torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8)
+    best, best_copies = start, None
     for s in range(steps):
         for group in opt.param_groups:
-            group["lr"] = 1e-5 * masks.cosine_scale(s, steps) / stack.loops
+            group["lr"] = lr * masks.cosine_scale(s, steps) / stack.loops
         loss = stack.loss(calib[s % calib.shape[0]][None], gates, copies)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -86,10 +85,8 @@ def phase_b(stack, calib, chunks, gates, steps: int, every: int, layers: int, ma
         if (s + 1) % every == 0:
             ppl = held(stack, chunks, gates, copies)
             if ppl < best:
-                best, best_copies = (
-                    ppl,
-                    {k: [w.detach().clone() for w in v] for k, v in copies.items()},
-                )
+                best = ppl
+                best_copies = {k: [w.detach().clone() for w in v] for k, v in copies.items()}
     return best_copies, best
 
 
@@ -101,27 +98,42 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--eval-b", type=int, default=30)
     p.add_argument("--cache", default="outputs/cache")
     args = p.parse_args(argv)
-    mcfg, ccfg = default_config()
-    model = load_model(mcfg, Path(args.cache))
-    corpus = load_corpus(ccfg, model.tokenizer, model.tokenizer_key, 0, Path(args.cache))
+    cfg = compose()
+    a, b, e = cfg.phase_a, cfg.phase_b, cfg.export
+    cache = Path(args.cache)
+    model = load_model(cfg.model, cache)
+    corpus = load_corpus(cfg.corpus, model.tokenizer, model.tokenizer_key, 0, cache)
     memory = PeakTracker()
     memory.start()
     stack = model.stack
     marks = {"start": time.perf_counter() - T0}
     backbone = held(stack, corpus.held)
-    logits, evals = phase_a(stack, corpus.calib, corpus.held, args.steps_a, args.eval_a)
+    stats = scores.activation_stats(stack, corpus.calib)
+    m0 = masks.mask_init_logit(stack.loops, a.init_logit)
+    init = scores.init_logits(scores.wanda(stack, stats), m0)
+    rule = masks.ShipRule(a.target_sparsity, e.align, e.uniform_inter, a.tau, True)
+    logits, evals = phase_a(
+        stack, corpus.calib, corpus.held, a, rule, init, args.steps_a, args.eval_a
+    )
     marks["phase_a"] = time.perf_counter() - T0
     memory.stage_done("phase_a")
-    gates = masks.hard_gates(logits, 0.5)
+    visits = rule.keep(logits)
+    keep = export.compute_keep(visits, visits, stack.num_layers)
+    gates = visits.float()
     masked = held(stack, corpus.held, gates)
+    ffn = repair.least_squares(stack, corpus.calib[: b.ls_chunks], visits, keep.physical)
+    repaired = held(stack, corpus.held, gates, ffn)
+    base, start = (ffn, repaired) if repaired < masked else (None, masked)
+    marks["least_squares"] = time.perf_counter() - T0
+    memory.stage_done("least_squares")
     trained, overlaid = phase_b(
-        stack, corpus.calib, corpus.held, gates, args.steps_b, args.eval_b, 4, masked
+        stack, corpus.calib, corpus.held, gates, base, args.steps_b, args.eval_b, b.lr, start
     )
+    final = {k: tuple(v) for k, v in trained.items()} if trained else base
     marks["phase_b"] = time.perf_counter() - T0
     memory.stage_done("phase_b")
-    keep = export.compute_keep(logits, 0.5, 32, False, stack.num_layers)
     with tempfile.TemporaryDirectory() as tmp:
-        fmt = export.write_model(Path(tmp) / "model", stack, model.tokenizer, keep, trained)
+        fmt = export.write_model(Path(tmp) / "model", stack, model.tokenizer, keep, final)
         from bake.report import exported_ppl
 
         exported = exported_ppl(Path(tmp) / "model", fmt, corpus.held, stack.device, 4, "fp32")
@@ -131,6 +143,7 @@ def main(argv: list[str] | None = None) -> dict:
         "perplexity": {
             "backbone": backbone,
             "masked": masked,
+            "least_squares": repaired,
             "overlaid": overlaid,
             "exported": exported,
         },

@@ -1,6 +1,6 @@
 """Shared fixtures: the composed config, the tiny models, a small corpus, in-process bakes.
 
-Most tests run bake in this process (``bake.__main__.main``), so the ~10 s of imports are paid
+Most tests run bake in this process (``bake.cli.main``), so the ~10 s of imports are paid
 once; a handful run real ``python -m bake`` subprocesses.
 """
 
@@ -138,7 +138,7 @@ def tiny_args(outputs: Path, docs: Path, *extra: str) -> list[str]:
 
 def run_bake(args: list[str]) -> int:
     """``python -m bake ARGS`` in this process; returns the exit code."""
-    from bake.__main__ import main
+    from bake.cli import main
 
     return main(args)
 

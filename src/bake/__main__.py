@@ -5,55 +5,41 @@
     python -m bake -m phase_a.target_sparsity=0.1,0.2,0.3   # a sweep, one MLflow parent run
     python -m bake --cfg job                         # print the composed config
 
-Returns the exported model's held-out perplexity to a sweeper (NaN for a failed job).
+A thin launcher: Ctrl-C at any moment, imports included, ends in one line and exit code 130.
+An interrupt that lands inside a library's import (a C extension half initialised) would leave
+that library broken and surface later as an unrelated error, so until the heavy libraries are
+imported a Ctrl-C is only noted, and raised right after them
+(:func:`bake.console.allow_interrupts`).
 """
 
 from __future__ import annotations
 
+import signal
 import sys
-
-import hydra
-
-from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
-from bake.layout import CONFIG_NAME, conf_dir
-
-CONF_DIR = str(conf_dir())  # the wheel's bake/conf, or the checkout's conf/
-
-
-@hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
-def _hydra_main(cfg) -> float:
-    from bake.job import run_job
-
-    return run_job(cfg)
-
-
-def main(argv: list[str] | None = None) -> int:
-    """Run bake with command-line ``argv`` in this process; returns the exit code."""
-    if not (conf_dir() / CONFIG_NAME).is_file():
-        print(
-            f"bake: its configuration is missing ({CONF_DIR} has no {CONFIG_NAME}); reinstall "
-            f"bake (`pip install .` from a checkout ships conf/ inside the package)",
-            file=sys.stderr,
-        )
-        return 1
-    saved = sys.argv
-    sys.argv = ["bake", *(sys.argv[1:] if argv is None else argv)]
-    try:
-        _hydra_main()
-    except SystemExit as exc:
-        code = exc.code
-        return code if isinstance(code, int) else (0 if code is None else 1)
-    except KeyboardInterrupt:  # a sweep's Ctrl-C (a single run turns it into exit 130 itself)
-        print("bake: interrupted", file=sys.stderr)
-        return 130
-    finally:
-        sys.argv = saved
-    return 0
 
 
 def entry() -> None:
     """Console-script entry point."""
-    sys.exit(main())
+    from bake import console
+
+    signal.signal(signal.SIGINT, console.defer_interrupt)
+    try:
+        from bake.cli import main
+
+        code = main()
+    except KeyboardInterrupt:
+        print("bake: interrupted", file=sys.stderr)
+        code = 130
+    sys.exit(code)
+
+
+def __getattr__(name: str):
+    # ``from bake.__main__ import main`` (and CONF_DIR) keep working; loaded on first use
+    if name in ("main", "CONF_DIR"):
+        from bake import cli
+
+        return getattr(cli, name)
+    raise AttributeError(f"module 'bake.__main__' has no attribute {name!r}")
 
 
 if __name__ == "__main__":

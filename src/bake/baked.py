@@ -179,9 +179,15 @@ def load_baked(path: str | Path, device: str | torch.device = "cpu") -> nn.Modul
         return lm.to(device)
     from safetensors.torch import load_file
 
-    gates = load_file(path / VISIT_MASKS)
     loops = int(meta["loops"])
-    rows = [gates[f"visit.{v}"] for v in range(loops * len(widths))]
+    try:
+        gates = load_file(path / VISIT_MASKS)
+        rows = [gates[f"visit.{v}"] for v in range(loops * len(widths))]
+    except (OSError, KeyError, ValueError) as exc:
+        raise BakeError(
+            f"{path}: {VISIT_MASKS} is missing or incomplete ({type(exc).__name__}: {exc}); a "
+            f"looped export needs it next to model.safetensors: copy the whole model directory"
+        ) from None
     for v, row in enumerate(rows):
         if row.numel() != widths[v % len(widths)]:
             raise BakeError(

@@ -104,3 +104,30 @@ def _is_tty(stream) -> bool:
         return stream.isatty()
     except (AttributeError, ValueError):
         return False
+
+
+_INTERRUPTED: list[bool] = []
+
+
+def defer_interrupt(signum, frame) -> None:
+    """SIGINT handler while libraries are imported: note the Ctrl-C, raise it later."""
+    _INTERRUPTED.append(True)
+
+
+def allow_interrupts() -> None:
+    """Import the heavy libraries, restore Ctrl-C's usual KeyboardInterrupt, and raise one if
+    Ctrl-C was pressed meanwhile."""
+    import signal
+    import threading
+
+    import lightning  # noqa: F401
+    import mlflow  # noqa: F401
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    if threading.current_thread() is threading.main_thread():
+        if signal.getsignal(signal.SIGINT) is defer_interrupt:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+    if _INTERRUPTED:
+        _INTERRUPTED.clear()
+        raise KeyboardInterrupt

@@ -72,20 +72,30 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             from bake.sweep import record_failed_job
 
             record_failed_job(cfg, hc, str(exc))
-            return math.nan
+            return _failed(hc, str(exc))
         sys.exit(2)
 
     from bake import console
-    from bake.pipeline import bake
 
-    console.setup()  # log lines around the progress bars; no library bars or chatter
     try:
+        console.allow_interrupts()  # a Ctrl-C pressed during the imports is raised here
+    except KeyboardInterrupt:
+        if not cfg.resume:
+            _discard_unused(run_dir)  # nothing started: nothing to resume
+        print("bake: interrupted", file=sys.stderr)
+        if multirun:
+            raise
+        sys.exit(130)
+    try:
+        from bake.pipeline import bake
+
+        console.setup()  # log lines around the progress bars; no library bars or chatter
         return bake(cfg, meta, run_dir, hc)
     except BakeError as exc:
         print(f"bake: {exc}", file=sys.stderr)
         log.error("%s", exc)
         if multirun:
-            return math.nan
+            return _failed(hc, str(exc))
         sys.exit(1)
     except KeyboardInterrupt:
         print(f"bake: interrupted; continue with: resume={run_dir}", file=sys.stderr)
@@ -102,10 +112,18 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             file=sys.stderr,
         )
         if multirun:
-            return math.nan
+            return _failed(hc, str(exc))
         sys.exit(1)
-    except Exception:
+    except Exception as exc:
         if multirun:
             log.error("job failed:\n%s", traceback.format_exc())
-            return math.nan
+            return _failed(hc, f"{type(exc).__name__}: {exc}")
         raise
+
+
+def _failed(hc, reason: str) -> float:
+    """A sweep job's failure, recorded for the sweep's exit code; NaN to the sweeper."""
+    from bake import guard
+
+    guard.record_failure(Path(hc.sweep.dir), int(hc.job.num), " ".join(hc.overrides.task), reason)
+    return math.nan

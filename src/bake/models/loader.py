@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bake import cache
 from bake.config import ModelKind
 from bake.errors import BakeError
 from bake.fsutil import atomic_dir
@@ -112,6 +113,14 @@ def _load_dir(directory: Path, where: str) -> tuple[PreTrainedModel, PreTrainedT
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
+    raw = read_config_json(directory)
+    if raw.get("auto_map"):
+        raise BakeError(
+            f"{where}: config.json (model_type '{raw.get('model_type', '?')}') names code from "
+            f"the model repository (auto_map: {', '.join(sorted(raw['auto_map']))}); bake never "
+            f"runs a repository's code (trust_remote_code stays off): use a checkpoint of a "
+            f"family bake reproduces (README, Models)"
+        )
     try:
         config = AutoConfig.from_pretrained(directory, trust_remote_code=False)
     except (ValueError, KeyError) as exc:
@@ -123,15 +132,31 @@ def _load_dir(directory: Path, where: str) -> tuple[PreTrainedModel, PreTrainedT
     families.get(config.model_type, where).refuse(config.to_dict(), where)
     if not any(directory.glob("*.safetensors")):
         raise BakeError(f"{where}: no *.safetensors weights in {directory}; bake reads no others")
-    lm = AutoModelForCausalLM.from_pretrained(
-        directory,
-        dtype=torch.float32,
-        trust_remote_code=False,
-        use_safetensors=True,
-        attn_implementation="sdpa",
-    )
-    tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(
+            directory,
+            dtype=torch.float32,
+            trust_remote_code=False,
+            use_safetensors=True,
+            attn_implementation="sdpa",
+        )
+    except Exception as exc:  # truncated files, shapes config.json does not describe, ...
+        raise BakeError(
+            f"{where}: the weights in {directory} cannot be loaded ({_reason(exc)}); a file may "
+            f"be truncated or belong to another config.json: copy the checkpoint again"
+        ) from None
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(directory, trust_remote_code=False)
+    except Exception as exc:
+        raise BakeError(
+            f"{where}: no usable tokenizer in {directory} ({_reason(exc)}); copy the "
+            f"checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json, ...) there"
+        ) from None
     return _finish(lm), tokenizer
+
+
+def _reason(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:200]
 
 
 def _gguf_cached(mcfg, cache_dir: Path) -> tuple[Path, str, bool]:
@@ -141,7 +166,7 @@ def _gguf_cached(mcfg, cache_dir: Path) -> tuple[Path, str, bool]:
 
     fp = _fingerprint(_file_id(src), transformers.__version__)
     out = Path(cache_dir) / "models" / f"{mcfg.name}-{fp}"
-    if (out / "bake_source.json").is_file():
+    if cache.verified(out):  # a corrupt copy is reported, removed and converted again
         return out, fp, False
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -152,11 +177,10 @@ def _gguf_cached(mcfg, cache_dir: Path) -> tuple[Path, str, bool]:
             src.parent, gguf_file=src.name, dtype=torch.float32
         )
         tokenizer = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
-    except (ValueError, KeyError, RuntimeError, NotImplementedError) as exc:
-        reason = f"{type(exc).__name__}: {exc}".splitlines()[0][:200]
+    except Exception as exc:  # unsupported layouts, truncated tensor data, ...
         raise BakeError(
-            f"model.gguf_file={src.name}: transformers could not convert it ({reason}); bake "
-            f"reads GGUF files only through transformers"
+            f"model.gguf_file={src.name}: transformers could not convert it ({_reason(exc)}); "
+            f"bake reads GGUF files only through transformers (a truncated file fails here too)"
         ) from None
     check_gated_mlp(lm, f"model.gguf_file={src.name}")
     if hasattr(lm.config, "quantization_config"):
@@ -167,6 +191,7 @@ def _gguf_cached(mcfg, cache_dir: Path) -> tuple[Path, str, bool]:
         lm.save_pretrained(tmp, safe_serialization=True)
         tokenizer.save_pretrained(tmp)
         (tmp / "bake_source.json").write_text(json.dumps({"source": _file_id(src)}))
+    cache.seal(out)
     return out, fp, True
 
 

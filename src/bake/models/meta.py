@@ -196,6 +196,18 @@ def gguf_header(path: Path) -> dict:
     tokenizer vocabulary (seconds), where validation needs four numbers. String arrays (the
     vocabulary) are skipped.
     """
+    import struct
+
+    try:
+        return _read_header(path)
+    except (struct.error, ValueError, KeyError, OSError, UnicodeDecodeError) as exc:
+        raise BakeError(
+            f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); the file may be "
+            f"truncated: download it again"
+        ) from None
+
+
+def _read_header(path: Path) -> dict:
     import mmap
     import struct
 
