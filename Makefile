@@ -1,12 +1,15 @@
 # bake: two commands on a fresh clone.
-#   make bake   install into .venv, then run the default bake (ARGS='model=tiny ...' for others)
-#   make test   install into .venv, then lint and run the test suite
+#   make bake       install into .venv, then run the default bake (ARGS='model=tiny ...' for others)
+#   make test       install into .venv, then lint (ruff, mypy) and run the whole test suite
+#   make test-fast  the unit tier while working, under a minute (FAST: the markers it leaves out)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bake-installed
+# The unit tier: the tests without a marker of what makes them slow (listed in pyproject.toml).
+FAST := not (bake or cli or subprocess or smollm2 or trainer or mlflow or slow)
 
-.PHONY: install bake test lint bench-speed bench-quality clean
+.PHONY: install bake test test-fast lint bench-speed bench-quality clean
 
 install: $(STAMP)
 
@@ -25,9 +28,13 @@ bake: $(STAMP)
 lint: $(STAMP)
 	$(PY) -m ruff check src tests benchmarks
 	$(PY) -m ruff format --check src tests benchmarks
+	$(PY) -m mypy
 
 test: lint
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -m "$(FAST)" --durations=5 $(PYTEST_ARGS)
 
 bench-speed: $(STAMP)
 	$(PY) -m benchmarks.speed $(ARGS)
@@ -36,4 +43,4 @@ bench-quality: $(STAMP)
 	$(PY) -m benchmarks.quality $(ARGS)
 
 clean:
-	rm -rf $(VENV) .pytest_cache .ruff_cache
+	rm -rf $(VENV) .pytest_cache .ruff_cache .mypy_cache

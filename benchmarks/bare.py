@@ -1,4 +1,5 @@
-"""bake's default recipe as a bare PyTorch loop: no Lightning, Hydra or MLflow.
+"""bake's default recipe as a bare PyTorch loop: no Lightning, Hydra or MLflow (the Phase A of
+the composed default: a training-free selection or the controller's training).
 
 The speed benchmark runs it beside ``python -m bake`` with the same steps and evaluations, so
 that the difference is what the framework costs. It reuses bake's model, corpus, forward,
@@ -109,12 +110,18 @@ def main(argv: list[str] | None = None) -> dict:
     marks = {"start": time.perf_counter() - T0}
     backbone = held(stack, corpus.held)
     stats = scores.activation_stats(stack, corpus.calib)
-    m0 = masks.mask_init_logit(stack.loops, a.init_logit)
-    init = scores.init_logits(scores.wanda(stack, stats), m0)
-    rule = masks.ShipRule(a.target_sparsity, e.align, e.uniform_inter, a.tau, True)
-    logits, evals = phase_a(
-        stack, corpus.calib, corpus.held, a, rule, init, args.steps_a, args.eval_a
-    )
+    ranked = str(a.method) == "learned"  # the controller reads the structure by rank
+    rule = masks.ShipRule(a.target_sparsity, e.align, e.uniform_inter, a.tau, ranked)
+    if str(a.method) == "flap":  # training-free selections: the scores are the logits
+        logits, evals = scores.flap_logits(scores.flap(stack, stats), a.target_sparsity), []
+    elif str(a.method) == "wanda_sp":
+        logits, evals = scores.wanda_logits(scores.wanda(stack, stats), a.target_sparsity), []
+    else:
+        m0 = masks.mask_init_logit(stack.loops, a.init_logit)
+        init = scores.init_logits(scores.wanda(stack, stats), m0)
+        logits, evals = phase_a(
+            stack, corpus.calib, corpus.held, a, rule, init, args.steps_a, args.eval_a
+        )
     marks["phase_a"] = time.perf_counter() - T0
     memory.stage_done("phase_a")
     visits = rule.keep(logits)

@@ -15,7 +15,7 @@ tables:
   (``phase_a=reference phase_b=reference export=reference``, with ``phase_a.steps`` raised to
   REFERENCE_STEPS so that its L1 pace can reach 40%; the step of the evaluation it selects is
   listed), and the baselines (Wanda-sp, FLAP) with the default's repairs and export.
-- ablation: the default at 20% with one part changed at a time.
+- ablation: the default at 20% (its main row) with one part changed at a time.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
 """
@@ -38,16 +38,20 @@ REFERENCE_STEPS = 720  # the reference's L1 pace reaches about 40% here (one Pha
 BASELINES = {"wanda_sp": ["phase_a=wanda_sp"], "flap": ["phase_a=flap"]}
 TARGETS = (0.1, 0.2, 0.3, 0.4)
 ABLATION = {
-    "no controller (L1 schedule, target met by dropping)": [
-        "phase_a.controller=none",
-        "phase_a.l1_mult=8",
-        "phase_a.lr=0.1",
-    ],
-    "align after the repairs (reference order)": ["export.align_before_repair=false"],
+    "learned mask (phase_a=scheduled: controller, Wanda-initialised)": ["phase_a=scheduled"],
     "no least-squares repair": ["phase_b.least_squares=false"],
-    "distillation 0.5": ["phase_b.distill=0.5"],
-    "last 4 layers only (Phase B)": ["phase_b.all_layers=false"],
+    "no gradient repair (least squares only)": ["phase_b.enabled=false"],
+    "distillation 0.5 in the gradient repair": ["phase_b.distill=0.5"],
+    "gradient repair of the last 4 layers only": ["phase_b.all_layers=false"],
+    "align after the repairs (reference order)": ["export.align_before_repair=false"],
 }
+
+
+def default_method() -> str:
+    """The default's Phase A method (a baseline equal to it is the default's own row)."""
+    from benchmarks.common import compose
+
+    return str(compose([]).phase_a.method.value)
 
 
 def headers_glob() -> str:
@@ -61,6 +65,8 @@ def headers_glob() -> str:
 def rows() -> dict[str, dict]:
     """Every row: its table, label and the overrides of its bake."""
     out: dict[str, dict] = {}
+    same = default_method()
+    baselines = {k: v for k, v in BASELINES.items() if k != same}
     for t in TARGETS:
         tag = f"{int(100 * t)}"
         out[f"main-default-{tag}"] = {
@@ -75,19 +81,13 @@ def rows() -> dict[str, dict]:
             "target": t,
             "args": [*REFERENCE, f"phase_a.steps={REFERENCE_STEPS}"],
         }
-        for name, args in BASELINES.items():
+        for name, args in baselines.items():
             out[f"main-{name}-{tag}"] = {
                 "table": "main",
                 "setting": name,
                 "target": t,
                 "args": args,
             }
-    out["ablation-default-20"] = {
-        "table": "ablation",
-        "setting": "default",
-        "target": 0.2,
-        "args": [],
-    }
     for i, (label, args) in enumerate(ABLATION.items()):
         out[f"ablation-{i}-20"] = {
             "table": "ablation",
@@ -97,7 +97,7 @@ def rows() -> dict[str, dict]:
         }
     for t in (0.2, 0.4):
         tag = f"{int(100 * t)}"
-        for name, args in {"default": [], **BASELINES}.items():
+        for name, args in {"default": [], **baselines}.items():
             out[f"corpus-{name}-{tag}"] = {
                 "table": "corpus",
                 "setting": name,
@@ -165,6 +165,30 @@ def bake_row(name: str, row: dict, cache: Path) -> dict:
     return {"name": name, **row, "wall_s": wall, "run": str(run), "report": report}
 
 
+def adopt_row(name: str, row: dict, run: Path) -> dict:
+    """A finished bake run whose composed config is this row's (``--adopt name=run_dir``;
+    outputs, tracking and the progress bar aside), so a bake made by hand need not be repeated.
+    Its wall time is the report's total (imports and start-up excluded)."""
+    import yaml
+    from omegaconf import OmegaConf
+
+    from benchmarks.common import compose
+
+    def settings(args: list[str]) -> dict:
+        cfg = OmegaConf.to_container(compose(args), resolve=False)
+        for key in ("paths", "tracking", "trainer", "resume"):
+            cfg.pop(key, None)
+        return cfg
+
+    asked = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
+    asked = [o for o in asked if not o.startswith(("paths.", "resume="))]
+    if settings(asked) != settings(overrides(row)):
+        raise SystemExit(f"--adopt {name}: {run} was baked with {asked}, not the row's settings")
+    report = json.loads((run / "report.json").read_text())
+    wall = float(report["seconds"]["total"])
+    return {"name": name, **row, "wall_s": wall, "run": str(run), "report": report, "adopted": True}
+
+
 def extra_evaluations(result: dict, cache: Path) -> dict:
     """The exported model on Python outside the corpus, and Wanda-sp + least squares at the
     SAME per-layer widths on the test split and that text (the backbone's, repaired)."""
@@ -206,15 +230,19 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     }
 
 
-def run(names: list[str], cache: Path) -> None:
+def run(names: list[str], cache: Path, adopt: dict[str, Path] | None = None) -> None:
     table = rows()
+    adopt = adopt or {}
     for name in names:
         path = OUT / f"{name}.json"
         if path.is_file():
             print(f"{name}: done ({path})", flush=True)
             continue
-        print(f"{name}: baking ...", flush=True)
-        result = bake_row(name, table[name], cache)
+        if name in adopt:
+            result = adopt_row(name, table[name], adopt[name])
+        else:
+            print(f"{name}: baking ...", flush=True)
+            result = bake_row(name, table[name], cache)
         result["extra"] = extra_evaluations(result, cache)
         result["date"] = time.strftime("%Y-%m-%d")
         OUT.mkdir(parents=True, exist_ok=True)
@@ -253,6 +281,8 @@ def tables() -> str:
     out = []
     for table in ("main", "ablation", "corpus"):
         got = [r for n, r in done.items() if n.startswith(table + "-")]
+        if table == "ablation" and got and "main-default-20" in done:
+            got.insert(0, done["main-default-20"])  # the default itself, measured once
         if got:
             out += ["", f"[{table}]", head]
             out += [line(r) for r in sorted(got, key=lambda r: (r["target"], r["setting"]))]
@@ -265,6 +295,13 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument(
+        "--adopt",
+        action="append",
+        default=[],
+        metavar="ROW=RUN_DIR",
+        help="take a finished run baked with the row's overrides instead of baking it again",
+    )
     args = p.parse_args(argv)
     table = rows()
     wanted = [t for t in args.tables.split(",") if t]
@@ -275,7 +312,8 @@ def main(argv: list[str] | None = None) -> None:
         for n in names:
             print(f"{n:<28} {'done' if (OUT / f'{n}.json').is_file() else '-'}")
         return
-    run(names, Path(args.cache))
+    adopt = dict(a.split("=", 1) for a in args.adopt)
+    run(names, Path(args.cache), {k: Path(v) for k, v in adopt.items()})
     print(tables())
 
 

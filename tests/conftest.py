@@ -114,7 +114,10 @@ def docs_dir(tmp_path_factory) -> Path:
 
 
 def tiny_args(outputs: Path, docs: Path, *extra: str) -> list[str]:
-    """Overrides of a fast tiny bake on the small corpus."""
+    """Overrides of a fast tiny bake on the small corpus. Phase A TRAINS (the controller,
+    ``phase_a=scheduled``) unless ``extra`` picks another preset: the default's Wanda-sp
+    selection has no steps to kill, resume or checkpoint."""
+    preset = [] if any(e.startswith("phase_a=") for e in extra) else ["phase_a=scheduled"]
     return [
         "model=tiny",
         "corpus=text_files",
@@ -133,6 +136,7 @@ def tiny_args(outputs: Path, docs: Path, *extra: str) -> list[str]:
         "trainer.eval_batch_size=4",
         f"paths.outputs={outputs}",
         *extra,
+        *preset,
     ]
 
 

@@ -112,7 +112,8 @@ def test_device_and_precision_are_in_the_key():
     assert stage_a.phase_a_key(ctx) == base
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_a_changed_mask_arithmetic_is_never_answered_from_the_cache(tmp_path, docs_dir):
     """Two bakes of one config share a Phase A result; the same bake run by a copy of bake
     whose masks.py differs trains again."""

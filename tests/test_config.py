@@ -119,6 +119,7 @@ def test_shape_checks_read_metadata_only():
     assert "corpus.chunk_len=9000: above the model's context of 8192" in str(err.value)
 
 
+@pytest.mark.cli
 def test_in_process_exit_code_2_and_no_traceback(capsys):
     assert run_bake(["phase_a.tau=1.5", "phase_b.layers=0", "paths.outputs=/nonexistent"]) == 2
     err = capsys.readouterr().err
@@ -126,6 +127,7 @@ def test_in_process_exit_code_2_and_no_traceback(capsys):
     assert "Traceback" not in err
 
 
+@pytest.mark.subprocess
 def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
     env = subprocess_env()
     bad = subprocess.run(

@@ -13,6 +13,8 @@ from bake import masks
 from bake.corpus import load_corpus
 from bake.models.loader import load_model
 
+pytestmark = [pytest.mark.subprocess, pytest.mark.bake]  # two DDP ranks, each a whole bake
+
 
 def single_process_reference(cfg, cache, steps: int, world: int) -> torch.Tensor:
     """One process that averages, at step s, the gradients of chunks s*world .. s*world+world-1."""
@@ -40,7 +42,6 @@ def single_process_reference(cfg, cache, steps: int, world: int) -> torch.Tensor
     return logits.detach()
 
 
-@pytest.mark.slow
 def test_ddp_two_processes_equal_one_process_averaging_their_chunks(tmp_path, docs_dir):
     extra = (
         "phase_a=reference",  # the recipe's sigmoid gate and L1 schedule, as the reference below

@@ -45,6 +45,7 @@ def bake_ok(outputs, docs, *extra):
     return last_run(outputs)
 
 
+@pytest.mark.bake
 def test_uniform_export_loads_with_stock_transformers(tmp_path, docs_dir):
     from transformers import AutoModelForCausalLM
 
@@ -64,6 +65,7 @@ def test_uniform_export_loads_with_stock_transformers(tmp_path, docs_dir):
     assert masks["keep_visits"].shape == (4, 160) and masks["keep"].shape == (4, 160)
 
 
+@pytest.mark.bake
 def test_per_layer_export_loads_with_load_baked(tmp_path, docs_dir):
     import bake
 
@@ -80,6 +82,7 @@ def test_per_layer_export_loads_with_load_baked(tmp_path, docs_dir):
     assert cfg["per_layer_config"] and cfg["bake"]["format"] == "per_layer"
 
 
+@pytest.mark.bake
 def test_looped_export_keeps_per_visit_masks(tmp_path, docs_dir):
     import bake
 
@@ -95,6 +98,7 @@ def test_looped_export_keeps_per_visit_masks(tmp_path, docs_dir):
     assert looped.generate(ids, max_new_tokens=3, eos_token_id=-1).shape == (1, 15)
 
 
+@pytest.mark.bake
 def test_align_1_without_phase_b_equals_the_masked_perplexity(tmp_path, docs_dir):
     run = bake_ok(
         tmp_path, docs_dir, "export.align=1", "phase_b.enabled=false", "phase_a.target_sparsity=0.1"
@@ -104,6 +108,7 @@ def test_align_1_without_phase_b_equals_the_masked_perplexity(tmp_path, docs_dir
     assert ppl["overlaid"] == ppl["masked"]
 
 
+@pytest.mark.bake
 def test_interrupted_export_leaves_no_half_written_artifact(tmp_path, docs_dir, monkeypatch):
     real = export.write_model
 
@@ -139,6 +144,7 @@ def transformers_ppl(model_dir, held) -> float:
     return math.exp(float(nll) / (held.shape[0] * (held.shape[1] - 1)))
 
 
+@pytest.mark.bake
 def test_exported_perplexity_is_the_artifacts_own_forward(tmp_path, docs_dir):
     """The report's number comes from the loaded artifact's forward, not bake's: an artifact
     whose config.json says relu is measured with relu."""
@@ -179,6 +185,7 @@ def test_check_export_tolerance_depends_on_precision():
         check_export(math.nan, 100.0, "llama", "fp32")
 
 
+@pytest.mark.bake
 def test_model_card_explains_the_artifact(tmp_path, docs_dir):
     extra = (
         "phase_a=wanda_sp",

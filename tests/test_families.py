@@ -254,6 +254,7 @@ def check_stock_artifact(run: Path, reference, source: dict, tied: bool, family:
 
 
 # -- model=hf ---------------------------------------------------------------------------------
+@pytest.mark.bake
 @pytest.mark.parametrize("name", sorted(HF_CASES))
 def test_stock_export_is_the_source_family(name, hf_source, tmp_path, docs_dir):
     from transformers import AutoConfig
@@ -275,6 +276,7 @@ def test_stock_export_is_the_source_family(name, hf_source, tmp_path, docs_dir):
     check_stock_artifact(run, ref, source, ref.config.tie_word_embeddings, case.family)
 
 
+@pytest.mark.bake
 def test_repaired_export_matches_the_source_family(hf_source, tmp_path, docs_dir):
     """With Phase B on, the repaired FFN weights are in the export and the logits still match
     the original class with the export's FFN."""
@@ -310,6 +312,7 @@ def test_repaired_export_matches_the_source_family(hf_source, tmp_path, docs_dir
     assert rewritten  # a repair was kept: the comparison above covers repaired weights
 
 
+@pytest.mark.slow  # a load, an export and a load_baked per family
 @pytest.mark.parametrize("name", sorted(HF_CASES))
 def test_per_layer_export_loads_as_the_source_family(name, hf_source, tmp_path):
     """Different widths per layer, and repairs that rewrote one layer's FFN and another's
@@ -431,6 +434,7 @@ def write_gguf(lm, arch: str, path: Path) -> Path:
     return path
 
 
+@pytest.mark.bake
 @pytest.mark.parametrize("arch", sorted(GGUF_CASES))
 def test_gguf_export_is_the_source_family(arch, tmp_path, docs_dir):
     case = GGUF_CASES[arch]
@@ -445,6 +449,7 @@ def test_gguf_export_is_the_source_family(arch, tmp_path, docs_dir):
     check_stock_artifact(run, lm, source, lm.config.tie_word_embeddings, case.family)
 
 
+@pytest.mark.cli
 def test_gguf_architecture_transformers_cannot_convert_is_refused(tmp_path, capsys):
     import gguf
 
@@ -461,6 +466,8 @@ def test_gguf_architecture_transformers_cannot_convert_is_refused(tmp_path, caps
     assert "GGUF architecture 'mistral'" in err and "accepted: llama, qwen2, qwen3" in err
 
 
+@pytest.mark.cli
+@pytest.mark.mlflow
 def test_gguf_transformers_cannot_convert_is_one_line(tmp_path, docs_dir, capsys):
     """transformers' Qwen3 converter assumes head_dim 128: another fails in one line, exit 1."""
     lm = perturb(_qwen3(head_dim=16))
@@ -507,6 +514,7 @@ def looped_reference(lm, state: dict, gates: list[torch.Tensor], ids, loops: int
     return lm.lm_head(core.norm(h))
 
 
+@pytest.mark.bake
 def test_looped_nanbeige_export_runs_its_loop(tmp_path, docs_dir):
     from transformers import AutoModelForCausalLM
 
@@ -568,6 +576,7 @@ def _save(lm, folder: Path) -> Path:
     return folder
 
 
+@pytest.mark.cli
 def test_activation_bake_cannot_reproduce_is_refused_before_any_weight(tmp_path, capsys):
     src = _save(_qwen3(head_dim=16, hidden_act="gelu"), tmp_path / "q3gelu")
     with pytest.raises(BakeError, match=r"Qwen3 sets hidden_act='gelu'; bake reproduces only"):
@@ -644,6 +653,7 @@ def test_every_registered_family_has_a_parity_case():
     assert {f.gguf_arch for f in families if f.gguf_arch} == set(GGUF_CASES)
 
 
+@pytest.mark.bake
 def test_an_export_that_does_not_reproduce_the_model_fails_the_bake(
     hf_source, tmp_path, docs_dir, monkeypatch, capsys
 ):

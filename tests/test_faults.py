@@ -23,6 +23,7 @@ from conftest import (
 from bake.errors import BakeError
 
 
+@pytest.mark.cli
 def test_several_out_of_range_values_exit_2_before_loading_weights(tmp_path, capsys):
     t0 = time.perf_counter()
     code = run_bake(
@@ -34,6 +35,7 @@ def test_several_out_of_range_values_exit_2_before_loading_weights(tmp_path, cap
     assert not (tmp_path / "cache").exists()  # no weights were converted or read
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "override, key", [("phase_a.stepz=1", "stepz"), ("export.align=x", "align")]
 )
@@ -42,6 +44,7 @@ def test_unknown_key_and_wrong_type_are_refused_by_hydra(tmp_path, capsys, overr
     assert key in capsys.readouterr().err
 
 
+@pytest.mark.cli
 def test_missing_model_path_and_offline_hub_id(tmp_path, capsys):
     assert (
         run_bake(["model=hf", f"model.name_or_path={tmp_path}/nope", f"paths.outputs={tmp_path}"])
@@ -57,6 +60,8 @@ def test_missing_model_path_and_offline_hub_id(tmp_path, capsys):
     assert "NoOrg/not-cached" in err and "hf download NoOrg/not-cached --local-dir DIR" in err
 
 
+@pytest.mark.cli
+@pytest.mark.mlflow
 def test_non_gated_architecture_is_refused_at_run_time(tmp_path, docs_dir, capsys):
     save_phi3(tmp_path / "phi3")
     args = [a for a in tiny_args(tmp_path / "o", docs_dir) if not a.startswith("model=")]
@@ -65,6 +70,7 @@ def test_non_gated_architecture_is_refused_at_run_time(tmp_path, docs_dir, capsy
     assert "Phi3MLP (gate_up_proj, down_proj" in err and "Traceback" not in err
 
 
+@pytest.mark.cli
 def test_layers_of_different_widths_are_refused(tmp_path, capsys):
     folder = tmp_path / "het"
     folder.mkdir()
@@ -82,6 +88,7 @@ def test_layers_of_different_widths_are_refused(tmp_path, capsys):
     assert "different FFN widths ([48, 96])" in capsys.readouterr().err
 
 
+@pytest.mark.cli
 def test_repository_code_never_runs(tmp_path, capsys):
     folder = tmp_path / "remote"
     folder.mkdir()
@@ -114,9 +121,12 @@ def test_repository_code_never_runs(tmp_path, capsys):
         ]
     )
     assert code == 1 and not marker.exists()
-    assert "transformers cannot read its config.json" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "never runs a repository's code" in err and "auto_map" in err
+    assert "trust_remote_code=True" not in err  # never suggested
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("case", ["no_match", "all_empty", "binary", "too_few"])
 def test_corpus_problems_are_clear_errors(tmp_path, case, capsys):
     docs = tmp_path / "docs"
@@ -142,6 +152,7 @@ def test_corpus_problems_are_clear_errors(tmp_path, case, capsys):
     assert expected in err
 
 
+@pytest.mark.cli
 def test_chunk_len_above_the_context_is_refused(tmp_path, capsys):
     assert run_bake(["model=tiny", "corpus.chunk_len=1024", f"paths.outputs={tmp_path}"]) == 2
     assert (
@@ -149,6 +160,7 @@ def test_chunk_len_above_the_context_is_refused(tmp_path, capsys):
     )
 
 
+@pytest.mark.bake
 def test_no_evaluation_uses_the_final_mask_and_says_so(tmp_path, docs_dir):
     args = tiny_args(tmp_path, docs_dir, "phase_a.steps=5", "phase_a.eval_every=8")
     assert run_bake(args) == 0
@@ -160,6 +172,7 @@ def test_no_evaluation_uses_the_final_mask_and_says_so(tmp_path, docs_dir):
     assert "phase_a.steps=5 < phase_a.eval_every=8: no evaluation fires" in log
 
 
+@pytest.mark.bake
 def test_nan_loss_stops_naming_the_step_and_resume_continues(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir)
     poison = "trainer.callbacks=[{_target_:conftest.PoisonAt,step:10}]"
@@ -173,6 +186,7 @@ def test_nan_loss_stops_naming_the_step_and_resume_continues(tmp_path, docs_dir,
     assert report(run)["phase_a"]["evaluations"][-1]["step"] == 24
 
 
+@pytest.mark.bake
 def test_checkpoint_of_another_model_is_refused_on_resume(tmp_path, docs_dir, capsys):
     args_a = tiny_args(tmp_path / "a", docs_dir)
     args_b = tiny_args(tmp_path / "b", docs_dir, "model.tiny.init_seed=7")
@@ -187,6 +201,7 @@ def test_checkpoint_of_another_model_is_refused_on_resume(tmp_path, docs_dir, ca
     assert "resume (phase A checkpoint): written for model_key tiny-" in err
 
 
+@pytest.mark.bake
 def test_load_baked_refuses_a_mismatched_artifact(tmp_path, docs_dir):
     import bake
 
@@ -227,6 +242,7 @@ def test_load_baked_refuses_a_mismatched_artifact(tmp_path, docs_dir):
         bake.load_baked(tmp_path)
 
 
+@pytest.mark.cli
 def test_unreachable_mlflow_server_fails_before_training(tmp_path, docs_dir, capsys):
     args = [a for a in tiny_args(tmp_path, docs_dir) if not a.startswith("tracking")]
     t0 = time.perf_counter()
@@ -237,6 +253,8 @@ def test_unreachable_mlflow_server_fails_before_training(tmp_path, docs_dir, cap
     assert not list(tmp_path.glob("runs/*/*/checkpoints"))
 
 
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_ctrl_c_marks_the_run_killed_subprocess(tmp_path, docs_dir):
     import signal
 

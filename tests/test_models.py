@@ -317,7 +317,7 @@ def test_layers_of_different_ffn_widths_are_refused(tmp_path):
         read_meta(hf_cfg(folder))
 
 
-@pytest.mark.slow
+@pytest.mark.smollm2
 def test_embedded_smollm2_loads_from_gguf_and_cache(tmp_path_factory):
 
     cfg = compose()

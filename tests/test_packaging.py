@@ -53,7 +53,7 @@ def run_installed(target: Path, cwd: Path, *args: str, script: bool = False):
     return subprocess.run([*cmd, *args], cwd=cwd, env=env, capture_output=True, text=True)
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_wheel_carries_every_module_and_every_yaml(wheel):
     names = set(zipfile.ZipFile(wheel).namelist())
     conf, package = REPO / "conf", REPO / "src" / "bake"
@@ -65,7 +65,7 @@ def test_wheel_carries_every_module_and_every_yaml(wheel):
     assert "bake = bake.__main__:entry" in zipfile.ZipFile(wheel).read(entry).decode()
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_installed_bake_composes_from_an_unrelated_directory(installed, tmp_path):
     env = subprocess_env() | {"PYTHONPATH": str(installed)}
     probe = "import bake, bake.__main__ as m; print(bake.__file__); print(m.CONF_DIR)"
@@ -84,7 +84,8 @@ def test_installed_bake_composes_from_an_unrelated_directory(installed, tmp_path
     assert not (tmp_path / "outputs").exists()
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_installed_bake_runs_a_tiny_bake(installed, tmp_path, docs_dir):
     args = tiny_args(tmp_path / "out", docs_dir, "phase_a=wanda_sp", "phase_a.target_sparsity=0.2")
     done = run_installed(installed, tmp_path, *args, "tracking.enabled=false")
@@ -93,7 +94,7 @@ def test_installed_bake_runs_a_tiny_bake(installed, tmp_path, docs_dir):
     assert (run / "report.json").is_file() and (run / "model" / "README.md").is_file()
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 def test_missing_model_package_is_one_line_without_a_checkout(installed, tmp_path):
     done = run_installed(installed, tmp_path, "model.package=no_such_gguf_package")
     assert done.returncode == 2

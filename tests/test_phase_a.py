@@ -181,6 +181,7 @@ def _spy(step_fn, module, seen):
     return wrapped
 
 
+@pytest.mark.trainer
 def test_l1_grows_after_the_update_of_each_evaluation_step(tmp_path):
     module, seen = fit_phase_a(tmp_path)
     l1 = [masks.l1_weight(0.01, 0.005, 2.0, k) for k in range(4)]
@@ -191,11 +192,13 @@ def test_l1_grows_after_the_update_of_each_evaluation_step(tmp_path):
     assert [round(e.l1, 9) for e in module.evaluations] == [round(v, 9) for v in l1[1:]]
 
 
+@pytest.mark.trainer
 def test_no_evaluation_when_steps_below_eval_every(tmp_path):
     module, seen = fit_phase_a(tmp_path, steps=3, eval_every=5)
     assert len(seen) == 3 and module.evaluations == []
 
 
+@pytest.mark.trainer
 def test_checkpoint_size_does_not_grow_with_the_backbone(tmp_path):
     small, _ = fit_phase_a(tmp_path / "s", stack=tiny(hidden=32, dtype=torch.float32))
     big_stack = tiny(hidden=256, dtype=torch.float32)
@@ -230,6 +233,7 @@ class Scripted:
 
 
 # Expected indices worked out by hand from the reference's rule (skillbake.rs), not by bake.
+@pytest.mark.trainer
 @pytest.mark.parametrize(
     "target, script, want, fell_back",
     [
@@ -265,6 +269,7 @@ def test_best_checkpoint_is_the_selected_evaluation(tmp_path, target, script, wa
     assert math.isfinite(sel.evaluation["held_ppl"])
 
 
+@pytest.mark.trainer
 def test_no_qualifying_evaluation_keeps_the_final_mask_as_the_reference_does(tmp_path):
     from bake.phases.results import PhaseAResult
 
@@ -284,6 +289,7 @@ def test_no_qualifying_evaluation_keeps_the_final_mask_as_the_reference_does(tmp
     assert "using the final mask" in sel.note
 
 
+@pytest.mark.trainer
 @pytest.mark.parametrize("loops", [1, 2])
 def test_controller_reaches_the_target_on_schedule(tmp_path, loops):
     """The hard structure of every step is the scheduled sparsity, aligned; evaluations score

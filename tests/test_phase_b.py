@@ -13,6 +13,7 @@ from bake.phases.common import Identity, make_trainer
 from bake.phases.phase_b import PhaseB, PhaseBSettings, lr_at
 
 
+@pytest.mark.trainer
 @pytest.mark.parametrize("loops", [1, 2])
 def test_learning_rate_is_cosine_over_loops(tmp_path, loops):
     stack = tiny(loops=loops, dtype=torch.float32)
@@ -64,6 +65,7 @@ def _fit_phase_b(tmp_path, baseline: float, record: list):
     return module
 
 
+@pytest.mark.trainer
 @pytest.mark.parametrize("below", [True, False])
 def test_the_kept_evaluation_is_restored_from_best_ckpt_only_when_strictly_better(tmp_path, below):
     from bake.phases.common import best_state

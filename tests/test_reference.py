@@ -38,6 +38,7 @@ def test_forward_equals_the_reference(loops):
     torch.testing.assert_close(mine, want, rtol=0, atol=1e-6)
 
 
+@pytest.mark.trainer
 @pytest.mark.parametrize(
     "loops, l1_init, l1_step", [(1, 0.01, 0.5), (2, 0.01, 0.5), (1, 20.0, 400.0)]
 )
@@ -59,6 +60,7 @@ def test_phase_a_steps_equal_the_reference(tmp_path, loops, l1_init, l1_step):
     assert (want - m0).abs().max() > 0.2  # the steps moved the mask
 
 
+@pytest.mark.trainer
 @pytest.mark.parametrize("loops", [1, 2])
 def test_phase_b_steps_under_the_hard_mask_equal_the_reference(tmp_path, loops):
     stack = tiny(loops=loops)

@@ -11,6 +11,8 @@ from test_phase_a import tiny
 
 from bake import repair
 
+pytestmark = pytest.mark.slow  # seconds per case: the repair and its reference, layer by layer
+
 
 def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float):
     """Layer by layer, in order, on the pruned model's own stream: min over the kept columns of

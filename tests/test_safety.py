@@ -31,6 +31,7 @@ def record(run):
 
 
 # -- data lost ---------------------------------------------------------------------------------
+@pytest.mark.cli
 def test_a_folder_that_is_not_a_bake_is_refused_before_anything_is_written(
     tmp_path, docs_dir, capsys
 ):
@@ -49,6 +50,7 @@ def test_a_folder_that_is_not_a_bake_is_refused_before_anything_is_written(
     assert (mine / "report.json").read_text() == '{"mine": true}'
 
 
+@pytest.mark.bake
 def test_a_refused_bake_leaves_the_existing_runs_record_alone(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path / "out", docs_dir, *FAST)
     assert run_bake(args) == 0
@@ -64,6 +66,7 @@ def test_a_refused_bake_leaves_the_existing_runs_record_alone(tmp_path, docs_dir
 
 
 # -- bugs --------------------------------------------------------------------------------------
+@pytest.mark.cli
 def test_a_misspelt_key_added_with_plus_is_refused(tmp_path, docs_dir, capsys):
     assert run_bake(tiny_args(tmp_path, docs_dir, "+phase_a.target_sparsty=0.3")) == 2
     err = capsys.readouterr().err
@@ -73,6 +76,7 @@ def test_a_misspelt_key_added_with_plus_is_refused(tmp_path, docs_dir, capsys):
     assert not (tmp_path / "runs").exists()  # nothing left behind
 
 
+@pytest.mark.bake
 def test_a_diverged_phase_resumes_with_a_lower_learning_rate(tmp_path, docs_dir, capsys):
     from conftest import PoisonAt
 
@@ -119,6 +123,7 @@ def _patch_for(stage: str, monkeypatch) -> None:
     del corpus
 
 
+@pytest.mark.bake
 @pytest.mark.parametrize(
     "stage",
     ["corpus cache", "phase A checkpoint", "phase A cache", "least squares", "export"],
@@ -205,6 +210,7 @@ def test_jsonl_counts_are_right_and_an_all_bad_file_says_why(tmp_path, capsys):
     )
 
 
+@pytest.mark.bake
 @pytest.mark.parametrize("entry", ["corpus", "phase_a", "activations"])
 def test_a_corrupt_cache_entry_is_named_and_rebuilt(tmp_path, docs_dir, entry):
     args = tiny_args(tmp_path, docs_dir, *FAST)
@@ -223,6 +229,7 @@ def test_a_corrupt_cache_entry_is_named_and_rebuilt(tmp_path, docs_dir, entry):
     assert report(last_run(tmp_path))["perplexity"] == first["perplexity"]
 
 
+@pytest.mark.bake
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_a_damaged_checkpoint_is_refused_naming_it(tmp_path, docs_dir, capsys, damage):
     args = tiny_args(tmp_path, docs_dir, *FAST)
@@ -241,6 +248,7 @@ def test_a_damaged_checkpoint_is_refused_naming_it(tmp_path, docs_dir, capsys, d
     assert f"bake: {ckpt}: the checkpoint is corrupt" in err and "Traceback" not in err
 
 
+@pytest.mark.bake
 def test_a_resume_removes_the_staging_left_by_a_killed_export(tmp_path, docs_dir):
     args = tiny_args(tmp_path, docs_dir, *FAST)
     assert run_bake([*args, interrupt("a", 12)]) == 130
@@ -253,6 +261,7 @@ def test_a_resume_removes_the_staging_left_by_a_killed_export(tmp_path, docs_dir
 
 
 # -- weak messages -----------------------------------------------------------------------------
+@pytest.mark.cli
 @pytest.mark.parametrize(
     "override, message",
     [
@@ -270,6 +279,7 @@ def test_bad_trainer_settings_are_refused_before_anything_loads(
     assert time.perf_counter() - t0 < 20 and not (tmp_path / "cache").exists()
 
 
+@pytest.mark.cli
 def test_a_read_only_outputs_folder_is_one_line(tmp_path, docs_dir, capsys):
     if os.geteuid() == 0:  # root writes anywhere: make the place a file instead
         (tmp_path / "ro").write_text("not a directory")
@@ -282,6 +292,7 @@ def test_a_read_only_outputs_folder_is_one_line(tmp_path, docs_dir, capsys):
     assert err.startswith("bake: ") and "Traceback" not in err
 
 
+@pytest.mark.bake
 def test_resume_with_another_run_dir_is_one_line(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir, *FAST)
     assert run_bake([*args, interrupt("a", 12)]) == 130
@@ -290,6 +301,7 @@ def test_resume_with_another_run_dir_is_one_line(tmp_path, docs_dir, capsys):
     assert "points elsewhere; pass the run directory only as resume=" in capsys.readouterr().err
 
 
+@pytest.mark.bake
 def test_resume_after_a_corpus_file_was_only_touched(tmp_path, docs_dir):
     docs = write_docs(tmp_path / "docs", 80)
     args = tiny_args(tmp_path, docs, *FAST)
@@ -299,6 +311,8 @@ def test_resume_after_a_corpus_file_was_only_touched(tmp_path, docs_dir):
     assert run_bake([*args, f"resume={run}"]) == 0
 
 
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_a_resume_while_the_original_still_runs_is_refused(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir, *FAST)
     assert run_bake([*args, interrupt("a", 12)]) == 130
@@ -325,6 +339,7 @@ def test_a_resume_while_the_original_still_runs_is_refused(tmp_path, docs_dir, c
     assert run_bake([*args, f"resume={run}"]) == 0  # the holder is gone: no stale lock
 
 
+@pytest.mark.bake
 def test_the_not_resumable_dataloader_warning_is_silenced(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir, *FAST)
     assert run_bake([*args, interrupt("a", 12)]) == 130
@@ -336,6 +351,7 @@ def test_the_not_resumable_dataloader_warning_is_silenced(tmp_path, docs_dir, ca
     assert "not resumable" not in (run / "bake.log").read_text()
 
 
+@pytest.mark.cli
 def test_ddp_inside_a_sweep_is_refused_before_the_parent_run(tmp_path, docs_dir, capsys):
     args = [a for a in tiny_args(tmp_path, docs_dir) if not a.startswith("tracking")]
     assert run_bake(["-m", *args, "trainer.strategy=ddp", "phase_a.lr=0.3,0.4"]) == 2
@@ -343,6 +359,7 @@ def test_ddp_inside_a_sweep_is_refused_before_the_parent_run(tmp_path, docs_dir,
     assert not (tmp_path / "mlflow.db").exists()
 
 
+@pytest.mark.bake
 def test_ctrl_c_during_a_sweep_is_one_line_and_130(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir, "tracking.enabled=false")
     assert run_bake(["-m", *args, interrupt("a", 4), "phase_a.lr=0.3,0.4"]) == 130
@@ -350,7 +367,8 @@ def test_ctrl_c_during_a_sweep_is_one_line_and_130(tmp_path, docs_dir, capsys):
     assert "bake: interrupted" in err and "Traceback" not in err
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_parallel_first_time_bakes_both_finish(tmp_path, docs_dir):
     out = tmp_path / "fresh"
     procs = [
@@ -393,6 +411,7 @@ def _saved_llama(folder):
     return folder
 
 
+@pytest.mark.cli
 @pytest.mark.parametrize("damage", ["no tokenizer", "truncated", "shapes", "auto_map"])
 def test_a_model_directory_that_cannot_be_read_is_one_line(tmp_path, damage, capsys):
     folder = _saved_llama(tmp_path / "m")
@@ -430,6 +449,7 @@ def test_a_model_directory_that_cannot_be_read_is_one_line(tmp_path, damage, cap
     assert "trust_remote_code=True" not in err
 
 
+@pytest.mark.cli
 def test_a_truncated_gguf_file_is_one_line(tmp_path, capsys):
     from bake.models.meta import gguf_path
 
@@ -452,6 +472,7 @@ def test_a_truncated_gguf_file_is_one_line(tmp_path, capsys):
     assert f"{cut}: not a readable GGUF file" in err and "Traceback" not in err
 
 
+@pytest.mark.bake
 def test_load_baked_without_its_visit_masks_is_one_line(tmp_path, docs_dir):
     import bake
     from bake.errors import BakeError
@@ -464,7 +485,7 @@ def test_load_baked_without_its_visit_masks_is_one_line(tmp_path, docs_dir):
         bake.load_baked(model)
 
 
-@pytest.mark.slow
+@pytest.mark.subprocess
 @pytest.mark.parametrize("delay", [0.4, 1.2, 2.0, 3.0])
 def test_ctrl_c_at_start_up_is_never_swallowed(tmp_path, docs_dir, delay):
     """A Ctrl-C during the imports used to land inside a C extension's initialisation and

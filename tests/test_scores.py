@@ -64,6 +64,7 @@ def test_init_logits_are_the_z_score_around_the_base():
     assert init.std(dim=1).tolist() == pytest.approx([1.0, 1.0], abs=1e-5)
 
 
+@pytest.mark.bake
 @pytest.mark.parametrize("method", ["wanda_sp", "flap"])
 def test_baseline_modes_run_the_pipeline_without_training(tmp_path, docs_dir, method):
     args = tiny_args(
@@ -89,6 +90,7 @@ def test_baseline_modes_run_the_pipeline_without_training(tmp_path, docs_dir, me
     assert rep["perplexity"]["exported"] == pytest.approx(rep["perplexity"]["masked"], rel=1e-4)
 
 
+@pytest.mark.bake
 def test_straight_through_wanda_init_setting_trains(tmp_path, docs_dir):
     assert (
         run_bake(

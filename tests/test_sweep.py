@@ -164,6 +164,7 @@ def _sweep_in_store(tmp_path):
     return client, parent
 
 
+@pytest.mark.mlflow
 def test_the_parent_gets_the_best_metrics_the_table_as_description_and_artifact(tmp_path, capsys):
     client, parent = _sweep_in_store(tmp_path)
     rows = summarise(client, parent, tmp_path / "sweep", ["phase_a.target_sparsity"])
@@ -194,6 +195,7 @@ def test_the_parent_gets_the_best_metrics_the_table_as_description_and_artifact(
     assert all(c[0] in out for c in CHILDREN)  # whole names, as in MLflow
 
 
+@pytest.mark.mlflow
 def test_compare_reads_a_parent_run_id_from_mlflow(tmp_path, capsys):
     _, parent = _sweep_in_store(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
@@ -276,6 +278,7 @@ def test_compare_prints_the_table_sorted_with_missing_values_last(sweep_dir, cap
     assert [line.split(" · ")[0] for line in lines[1:]] == ["0.3", "0.2", "0.1"]
 
 
+@pytest.mark.mlflow
 def test_compare_names_what_is_wrong(tmp_path, sweep_dir, capsys):
     with pytest.raises(SystemExit, match="--sort speed: no such column; choose one of: run,"):
         compare.main([str(sweep_dir), "--sort", "speed"])

@@ -32,6 +32,7 @@ def runs(outputs):
     return c, exp, c.search_runs([exp.experiment_id], order_by=["start_time ASC"])
 
 
+@pytest.mark.bake
 def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, monkeypatch):
     monkeypatch.chdir(tmp_path)  # nothing may land in ./mlruns
     assert run_bake(tiny_args(tmp_path / "out", docs_dir, "phase_a.target_sparsity=0.1")) == 0
@@ -88,6 +89,7 @@ def test_one_run_spans_both_phases_with_every_evaluation(tmp_path, docs_dir, mon
 REFERENCE = ("phase_a=reference", "export=reference", "phase_a.lr=0.4", "phase_a.l1_mult=20")
 
 
+@pytest.mark.bake
 def test_phase_a_is_trained_once_across_target_sparsities(tmp_path, docs_dir):
     """The reference recipe's training does not depend on the target: one Phase A serves a
     target sweep (with the target in the key where it does; see test_cache_keys)."""
@@ -112,6 +114,7 @@ def test_phase_a_is_trained_once_across_target_sparsities(tmp_path, docs_dir):
         assert rep["phase_a"]["fell_back"] == (not ok)
 
 
+@pytest.mark.bake
 @pytest.mark.parametrize("phase, step", [("a", 12), ("b", 6)])
 def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, docs_dir, phase, step):
     args = tiny_args(tmp_path / "a", docs_dir, "phase_a.target_sparsity=0.1")
@@ -137,6 +140,7 @@ def test_resume_after_a_kill_equals_an_uninterrupted_run(tmp_path, docs_dir, pha
     assert report(run)["phase_a"]["evaluations"] == report(ref)["phase_a"]["evaluations"]
 
 
+@pytest.mark.bake
 def test_resume_refuses_other_settings_naming_them(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir)
     assert run_bake([*args, interrupt("a", 4)]) == 130
@@ -146,6 +150,7 @@ def test_resume_refuses_other_settings_naming_them(tmp_path, docs_dir, capsys):
     assert "phase_a.tau: 0.5 -> 0.6" in err and "same overrides" in err
 
 
+@pytest.mark.bake
 def test_a_new_run_never_overwrites_an_existing_one(tmp_path, docs_dir, capsys):
     args = tiny_args(tmp_path, docs_dir, "tracking.enabled=false")
     assert run_bake(args) == 0
@@ -156,6 +161,8 @@ def test_a_new_run_never_overwrites_an_existing_one(tmp_path, docs_dir, capsys):
     assert (run / "report.json").read_text() == before
 
 
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_sweep_has_a_parent_children_and_a_summary_even_with_a_failure(tmp_path, docs_dir):
     # No paths.outputs: the default, outputs/ under the launch directory, as a user runs it.
     out = tmp_path / "outputs"
@@ -208,6 +215,8 @@ def test_sweep_has_a_parent_children_and_a_summary_even_with_a_failure(tmp_path,
     assert list((out / "multirun").glob("*/*/0")) and not (tmp_path / "multirun").exists()
 
 
+@pytest.mark.subprocess
+@pytest.mark.bake
 def test_single_run_subprocess_prints_summary_and_ui_command(tmp_path, docs_dir):
     proc = subprocess.run(
         [PYTHON, "-m", "bake", *tiny_args(tmp_path / "out", docs_dir)],
@@ -234,6 +243,7 @@ def test_metrics_are_rounded_to_what_a_person_reads_and_counts_stay_exact():
     assert rounded(134515008) == 134515008.0  # a parameter count is never rounded
 
 
+@pytest.mark.mlflow
 def test_an_experiment_made_before_opens_in_the_model_training_view(tmp_path):
     from omegaconf import OmegaConf
 

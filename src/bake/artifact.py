@@ -9,11 +9,17 @@ exported perplexity is the artifact's own, and a wrong config.json or a dropped 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
-from torch import Tensor, nn
+from torch import Tensor
 
 from bake.stack import autocast_for
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
+    from bake.baked import LoopedCausalLM
 
 LOADED_WITH = {
     "stock": "transformers.AutoModelForCausalLM.from_pretrained",
@@ -24,13 +30,15 @@ LOGITS_BUDGET = 1 << 24  # logits elements of one forward (64 MiB in fp32): sequ
 ROWS_BUDGET = 1 << 22  # float64 elements of one block of the NLL reduction (32 MiB)
 
 
-def load_artifact(model_dir: Path, fmt: str, device: str | torch.device) -> nn.Module:
+def load_artifact(
+    model_dir: Path, fmt: str, device: str | torch.device
+) -> PreTrainedModel | LoopedCausalLM:
     """The export in ``model_dir``, loaded the way its model card says, in eval mode."""
     if fmt == "stock":
         from transformers import AutoModelForCausalLM
 
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-        return lm.to(device).eval()
+        return lm.to(device).eval()  # type: ignore[arg-type]  # functools.wraps hides the self
     from bake.baked import load_baked
 
     return load_baked(model_dir, device)
@@ -52,7 +60,7 @@ def next_token_nll(logits: Tensor, ids: Tensor) -> float:
 
 @torch.inference_mode()
 def artifact_nll(
-    model: nn.Module, chunks: Tensor, batch_size: int, precision: str
+    model: PreTrainedModel | LoopedCausalLM, chunks: Tensor, batch_size: int, precision: str
 ) -> tuple[float, int]:
     """Summed next-token NLL of ``chunks`` [n, seq] under ``model(ids).logits``, and the number
     of scored positions; under the evaluations' autocast, a few sequences per forward so the

@@ -148,7 +148,9 @@ def _rebuild_buffers(lm: PreTrainedModel, path: Path) -> None:
         raise BakeError(f"{path}: no values for {', '.join(left[:4])} after loading the weights")
 
 
-def load_baked(path: str | Path, device: str | torch.device = "cpu") -> nn.Module:
+def load_baked(
+    path: str | Path, device: str | torch.device = "cpu"
+) -> PreTrainedModel | LoopedCausalLM:
     """Load a bake export directory (``<run dir>/model``) as a torch module in eval mode.
 
     Returns the source family's transformers class (LlamaForCausalLM, Qwen3ForCausalLM, ...)
@@ -176,7 +178,7 @@ def load_baked(path: str | Path, device: str | torch.device = "cpu") -> nn.Modul
     lm.requires_grad_(False)
     lm.eval()
     if not looped:
-        return lm.to(device)
+        return lm.to(device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
     from safetensors.torch import load_file
 
     loops = int(meta["loops"])

@@ -156,6 +156,7 @@ def _read(doc: _Doc, skipped: Counter, contents: set[str]) -> str | None:
     if doc.text is not None:
         text = doc.text
     else:
+        assert doc.path is not None  # a document is given by its text or by its file
         try:
             data = doc.path.read_bytes()
         except OSError:

@@ -26,7 +26,7 @@ from bake.models import family as families
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-    from bake.stack import Stack
+    from bake.stack import FfnOverride, Stack
 
 log = logging.getLogger("bake.export")
 
@@ -89,7 +89,9 @@ def aligned_after(logits: Tensor, tau: float, align: int, uniform: bool, num_lay
     return keep
 
 
-def pruned_ffn(stack, keep: Keep, trained: dict | None, li: int) -> tuple[Tensor, Tensor, Tensor]:
+def pruned_ffn(
+    stack: Stack, keep: Keep, trained: FfnOverride | None, li: int
+) -> tuple[Tensor, Tensor, Tensor]:
     """Layer ``li``'s (gate, up, down) with its dropped neurons removed (down zeroed first):
     Phase B's trained copies where there are some, else the backbone's."""
     g, u, d = (trained or {}).get(li) or stack.ffn_weights(li)
@@ -145,7 +147,14 @@ def _config(lm: PreTrainedModel, keep: Keep, fmt: str, loops: int, loop_norm: bo
 Producer = Callable[[], Tensor]
 
 
-def _tensors(stack: Stack, keep: Keep, trained: dict | None) -> list[tuple[str, tuple, Producer]]:
+def _as_is(tensor: Tensor) -> Producer:
+    """A producer of a source tensor that is written unchanged."""
+    return lambda: tensor
+
+
+def _tensors(
+    stack: Stack, keep: Keep, trained: FfnOverride | None
+) -> list[tuple[str, tuple, Producer]]:
     """(name, shape, producer) of every tensor of the export: every tensor of the source that is
     not an FFN weight, unchanged (attention biases, q/k norms, whatever the family has), then
     the pruned FFN weights. These are produced only when written, one at a time, so the export
@@ -154,11 +163,11 @@ def _tensors(stack: Stack, keep: Keep, trained: dict | None) -> list[tuple[str, 
     family = families.get(lm.config.model_type, "export")
     ffn = {name for li in range(stack.num_layers) for name in family.ffn_names(li)}
     tied = bool(getattr(lm.config, "tie_word_embeddings", False))
-    out = []
+    out: list[tuple[str, tuple, Producer]] = []
     for name, tensor in lm.state_dict().items():
         if name in ffn or (tied and name == "lm_head.weight"):
             continue  # a tied head is the embedding: transformers ties it again on load
-        out.append((name, tuple(tensor.shape), lambda t=tensor: t))
+        out.append((name, tuple(tensor.shape), _as_is(tensor)))
     hidden = stack.hidden_size
     for li, width in enumerate(keep.per_layer):
 
@@ -197,7 +206,7 @@ def save_streaming(path: Path, tensors: list[tuple[str, tuple, Producer]], metad
             t = make().detach().to("cpu", torch.float32).contiguous()
             if tuple(t.shape) != tuple(shape):
                 raise ValueError(f"{name}: shape {tuple(t.shape)}, header says {shape}")
-            fh.write(memoryview(t.numpy()).cast("B"))
+            fh.write(t.numpy().data.cast("B"))
 
 
 def visit_gates(keep: Keep) -> dict[str, Tensor]:
@@ -213,7 +222,7 @@ def write_model(
     stack: Stack,
     tokenizer: PreTrainedTokenizerBase,
     keep: Keep,
-    trained: dict | None,
+    trained: FfnOverride | None,
 ) -> str:
     """Write the smaller model into ``directory`` (a staging directory); returns its format:
     ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked)."""

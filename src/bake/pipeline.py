@@ -44,8 +44,8 @@ class Ctx:
     run_dir: Path
     record: RunRecord
     tracker: Tracker
-    model: LoadedModel | None = None
-    corpus: Corpus | None = None
+    model: LoadedModel = field(init=False, repr=False)  # set by _load, dropped by release_model
+    corpus: Corpus = field(init=False, repr=False)  # set by _load
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))
     precision: str = "fp32"  # of every held-out evaluation of this bake
     seconds: dict = field(default_factory=dict)
@@ -66,7 +66,7 @@ class Ctx:
         from bake.models import loader
 
         loader._LOADED.clear()
-        self.model = None
+        del self.model
         gc.collect()
         memory.trim()
 
@@ -182,7 +182,7 @@ def _load(ctx: Ctx) -> None:
     )
     ctx.device = resolve_device(cfg.trainer.accelerator)
     ctx.precision = resolve_precision(ctx.device, str(cfg.phase_a.eval_precision))
-    ctx.model.lm.to(ctx.device)
+    ctx.model.lm.to(ctx.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
     stack, corpus = ctx.model.stack, ctx.corpus
     log.info(
         "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration, "

@@ -4,6 +4,12 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from matplotlib.artist import Artist
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import Locator
 
 
 def _plt():
@@ -15,7 +21,7 @@ def _plt():
     return plt
 
 
-def _save(fig, path: Path) -> Path:
+def _save(fig: Figure, path: Path) -> Path:
     path.parent.mkdir(parents=True, exist_ok=True)
     if fig.get_layout_engine() is None:  # constrained figures lay themselves out
         fig.tight_layout()
@@ -69,7 +75,7 @@ def kept_figure(
     per_layer_after: list[int],
     inter: int,
     loops: int = 1,
-):
+) -> Figure:
     """Kept FFN neurons per layer before and after alignment: one panel per visit on a looped
     model, plus the union of the visits that is written to disk; the legend sits below the
     panels, never on the bars."""
@@ -110,7 +116,7 @@ def kept_figure(
         ax.set_ylabel("kept neurons")
         ax.xaxis.set_major_locator(_integer_ticks(n))
     axes[-1][0].set_xlabel("layer")
-    handles = {}
+    handles: dict[str, Artist] = {}
     for row in axes:
         for h, label in zip(*row[0].get_legend_handles_labels(), strict=True):
             handles.setdefault(label, h)
@@ -120,7 +126,7 @@ def kept_figure(
     return fig
 
 
-def _integer_ticks(n: int):
+def _integer_ticks(n: int) -> Locator:
     """A tick on every layer while the labels have room, else on whole layers only (never
     the fractional ticks matplotlib would pick for a few layers)."""
     from matplotlib.ticker import MaxNLocator, MultipleLocator
@@ -150,7 +156,7 @@ def _label(row: dict, swept: list[str]) -> str:
     return text
 
 
-def sweep_figure(rows: list[dict], swept: list[str]):
+def sweep_figure(rows: list[dict], swept: list[str]) -> Figure:
     """Exported held-out perplexity against pruned fraction after alignment, one marker per
     result; jobs with the same result share a marker and a legend entry, and the legend sits
     beside the axes, so no label covers another or a point."""

@@ -53,11 +53,27 @@ class Outcome:
 def exported_ppl(model_dir: Path, fmt: str, held, device, batch_size: int, precision: str) -> float:
     """Held-out perplexity of the export, loaded back from disk as a user would load it
     (:data:`bake.artifact.LOADED_WITH`) and run through its own forward."""
+    ppl = exported_ppls(model_dir, fmt, [held], device, batch_size, precision)[0]
+    if ppl is None:
+        raise BakeError("export: the held-out split is empty; nothing to measure the artifact on")
+    return ppl
+
+
+def exported_ppls(
+    model_dir: Path, fmt: str, splits: list, device, batch_size: int, precision: str
+) -> list[float | None]:
+    """:func:`exported_ppl` of each split (None for an empty one), the export loaded once."""
     from bake.artifact import artifact_nll, load_artifact
 
     model = load_artifact(model_dir, fmt, device)
-    nll, n = artifact_nll(model, held, batch_size, precision)
-    return perplexity(nll, n)
+    out: list[float | None] = []
+    for chunks in splits:
+        out.append(
+            perplexity(*artifact_nll(model, chunks, batch_size, precision))
+            if chunks.numel()
+            else None
+        )
+    return out
 
 
 # Relative perplexity difference allowed between the artifact and the in-pipeline model of the
@@ -158,13 +174,12 @@ def _write_artifact(ctx, out: Outcome) -> dict:
         del stack
         out.final.ffn = out.least_squares.ffn = None
         ctx.release_model()  # the check below loads the export: never two models at once
-        exported = exported_ppl(stage / "model", fmt, ctx.corpus.held, device, batch, precision)
-        check_export(exported, shipped, model_info["family"], precision)
-        exported_test = (
-            exported_ppl(stage / "model", fmt, test, device, batch, precision)
-            if test.numel()
-            else None
+        exported, exported_test = exported_ppls(
+            stage / "model", fmt, [ctx.corpus.held, test], device, batch, precision
         )
+        if exported is None:
+            raise BakeError("export: the held-out split is empty; nothing to measure it on")
+        check_export(exported, shipped, model_info["family"], precision)
         (stage / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.tracking.plots:
             _plots(stage, out, keep, model_info["ffn_width"])
@@ -283,6 +298,14 @@ def _track(ctx, report: dict, run_dir: Path) -> None:
     ctx.tracker.artifact(run_dir / "plots", "plots")
 
 
+def _test(value: float | None, backbone: float | None = None) -> str:
+    """The test-split perplexity, with its ratio to the backbone's when given."""
+    if value is None or not math.isfinite(value):
+        return ""
+    ratio = f" = {value / backbone:.3f} x backbone" if backbone else ""
+    return f", test-PPL {value:.3f}{ratio}"
+
+
 def print_summary(report: dict, tcfg) -> None:
     ppl, pa, ex, par = (
         report["perplexity"],
@@ -291,16 +314,39 @@ def print_summary(report: dict, tcfg) -> None:
         report["parameters"],
     )
     step = f"step {pa.get('selected_step')}" if pa.get("evaluation_made") else "no evaluation"
+    ls, pb = report.get("least_squares") or {}, report.get("phase_b") or {}
+    kept = ex.get("kept_per_visit") or []
+    width = report["model"].get("ffn_width")
+    widths = sorted(set(kept))
+    shape = (
+        f"{widths[0]} of {width} neurons in every layer"
+        if len(widths) == 1
+        else f"{min(widths)}-{max(widths)} of {width} neurons per layer"
+    )
+    target = pa.get("target_sparsity") or 0.0
+    met = "" if not target else (" (target met)" if ex.get("target_met") else " (target MISSED)")
+    before, after = par["before"], par["after"]
     lines = [
         "",
         "bake summary",
-        f"  backbone held-PPL    {ppl['backbone']:.3f}",
-        f"  masked (Phase A)     {ppl['masked']:.3f}   {100 * pa['sparsity']:.2f}% pruned, {step}",
-        f"  overlaid (Phase B)   {ppl['overlaid']:.3f}",
-        f"  exported             {ppl['exported']:.3f}   {ex.get('format', '?')} model",
-        f"  pruned               {100 * ex['pruned_ratio']:.2f}% after alignment (align "
-        f"{ex.get('align')}, +{ex.get('revived', 0)} revived)",
-        f"  parameters           {par['before'] / 1e6:.2f}M -> {par['after'] / 1e6:.2f}M",
+        f"  backbone             held-PPL {ppl['backbone']:.3f}" + _test(ppl["test_backbone"]),
+        f"  masked (Phase A)     held-PPL {ppl['masked']:.3f}   "
+        f"{100 * pa['sparsity']:.2f}% pruned, {step}",
+    ]
+    if ls.get("enabled"):
+        verdict = "kept" if ls.get("improved") else "not kept"
+        lines.append(f"  least squares        held-PPL {ls['held_ppl']:.3f}   {verdict}")
+    if pb.get("enabled", True):
+        verdict = "kept" if pb.get("improved") else "not kept"
+        lines.append(f"  Phase B              held-PPL {ppl['overlaid']:.3f}   {verdict}")
+    lines += [
+        f"  exported             held-PPL {ppl['exported']:.3f}"
+        + _test(ppl["test_exported"], ppl["test_backbone"])
+        + f"   {ex.get('format', '?')} model",
+        f"  FFN                  {100 * ex['pruned_ratio']:.2f}% of its neurons removed{met}: "
+        f"{shape} (align {ex.get('align')})",
+        f"  parameters           {before / 1e6:.2f}M -> {after / 1e6:.2f}M "
+        f"({100 * (1 - after / before):.1f}% smaller)",
         f"  run directory        {Path(report['artifact']).parent}",
         f"  artifact             {report['artifact']}",
     ]

@@ -12,6 +12,10 @@ from __future__ import annotations
 import functools
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 NAME_WIDTH = 56  # characters a name may reach with fixed context: the sweep table fits 120
 MAX_NAME = 250  # MLflow's limit for a run name
@@ -70,7 +74,7 @@ def run_name(
     return f"{name} {MORE}" if left_out else name
 
 
-def swept_overrides(hydra_node) -> tuple[list[str], list[str]]:
+def swept_overrides(hydra_node: DictConfig) -> tuple[list[str], list[str]]:
     """(the sweep's overrides as typed, the keys it sweeps in order) from a multirun's ``hydra``
     node: the command line's overrides and the sweeper's ``params``."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
@@ -80,7 +84,7 @@ def swept_overrides(hydra_node) -> tuple[list[str], list[str]]:
     params = OmegaConf.select(hydra_node, "sweeper.params", default=None) or {}
     lines += [f"{k}={v}" for k, v in params.items()]
     parsed = OverridesParser.create().parse_overrides(overrides=lines)
-    swept = [override_key(o.input_line) for o in parsed if o.is_sweep_override()]
+    swept = [override_key(o.input_line or "") for o in parsed if o.is_sweep_override()]
     return lines, list(dict.fromkeys(swept))
 
 

@@ -11,9 +11,13 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, cast
 
 from bake.errors import BakeError
 from bake.fsutil import atomic_write
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 RECORD = "bake_run.json"
 LOCK = ".bake.lock"
@@ -39,19 +43,19 @@ def flatten(node, prefix: str = "") -> dict[str, object]:
     return out
 
 
-def resolved(cfg) -> dict:
+def resolved(cfg: DictConfig) -> dict:
     """The composed config as plain, resolved containers (enums as their names)."""
     from omegaconf import OmegaConf
 
-    return OmegaConf.to_container(cfg, resolve=True, enum_to_str=True)
+    return cast(dict, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
-def params_of(cfg) -> dict[str, object]:
+def params_of(cfg: DictConfig) -> dict[str, object]:
     """Every resolved config value except ``resume``, as flat MLflow params."""
     return {k: v for k, v in flatten(resolved(cfg)).items() if k != "resume"}
 
 
-def comparable(cfg) -> dict[str, object]:
+def comparable(cfg: DictConfig) -> dict[str, object]:
     """The settings that define what a bake computes, flattened."""
     flat = flatten(resolved(cfg))
     return {k: v for k, v in flat.items() if not k.startswith(_FREE) and k not in _FREE}
@@ -135,7 +139,7 @@ def resume_changes(mine: dict, record: RunRecord, resume: str) -> list[str]:
     return sorted({_RESUMABLE[k] for k in keys})
 
 
-def open_record(run_dir: Path, cfg, write: bool = True) -> RunRecord:
+def open_record(run_dir: Path, cfg: DictConfig, write: bool = True) -> RunRecord:
     """The record of a new run, or of the run being resumed (checked against this config).
 
     Raises BakeError when a new run would overwrite another bake, or when ``resume`` names a

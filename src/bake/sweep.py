@@ -10,11 +10,15 @@ import json
 import logging
 import math
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from hydra.experimental.callback import Callback
 
 from bake.runnames import model_label, run_name, split, sweep_spec, swept_overrides
 from bake.tracking import Tracker, client_for, experiment_id, reopen_run, start_run
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 log = logging.getLogger("bake.sweep")
 
@@ -111,7 +115,7 @@ class SweepCallback(Callback):
 
     def __init__(self) -> None:
         self._parent: str | None = None
-        self._client = None
+        self._client: MlflowClient | None = None
         self._sweep_dir: Path | None = None
         self._swept: list[str] = []
 
@@ -125,11 +129,11 @@ class SweepCallback(Callback):
 
         tcfg = OmegaConf.create(OmegaConf.to_container(config.tracking, resolve=True))
         self._sweep_dir = Path(config.hydra.sweep.dir)
-        self._client = client_for(tcfg)
+        self._client = client = client_for(tcfg)
         lines, self._swept = swept_overrides(config.hydra)
         name = run_name(model_label(config), lines, self._swept, prefix="sweep")
-        run = self._client.create_run(
-            experiment_id(self._client, tcfg),
+        run = client.create_run(
+            experiment_id(client, tcfg),
             run_name=name,
             tags={
                 "mlflow.runName": name,
@@ -139,7 +143,7 @@ class SweepCallback(Callback):
             },
         )
         self._parent = run.info.run_id
-        Tracker(self._client, self._parent).params(sweep_params(config, lines, self._swept))
+        Tracker(client, self._parent).params(sweep_params(config, lines, self._swept))
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
         (self._sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": self._parent}))
         atexit.register(self._finish, "KILLED")  # the summary even when the sweep is cut short
@@ -150,6 +154,7 @@ class SweepCallback(Callback):
     def _finish(self, status: str) -> None:
         if self._parent is None:
             return
+        assert self._client is not None and self._sweep_dir is not None  # set with the parent
         parent, self._parent = self._parent, None
         try:
             summarise(self._client, parent, self._sweep_dir, self._swept)

@@ -14,10 +14,15 @@ import math
 import numbers
 import os
 import subprocess
+from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
 
 log = logging.getLogger("bake.tracking")
 
@@ -50,7 +55,8 @@ class Tracker:
     def enabled(self) -> bool:
         return self.client is not None
 
-    def metrics(self, values: dict[str, float], step: int | None = None) -> None:
+    def metrics(self, values: Mapping[str, float | None], step: int | None = None) -> None:
+        """Log ``values`` at ``step``; None, booleans and non-finite values are left out."""
         if not self.enabled:
             return
         from mlflow.entities import Metric
@@ -126,7 +132,7 @@ def check_reachable(uri: str) -> None:
         ) from None
 
 
-def client_for(tcfg):
+def client_for(tcfg) -> MlflowClient:
     """An MlflowClient on ``tracking.uri`` (the SQLite file's folder is made on demand).
 
     MLflow creates (or migrates) a SQLite store's schema on first use, and two processes doing

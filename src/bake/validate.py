@@ -240,4 +240,5 @@ def validate(cfg, multirun: bool = False) -> ModelMeta:
         problems.append(f"phase_b.layers={cfg.phase_b.layers}: must be >= 1")
     if problems:
         raise ConfigError(problems)
+    assert meta is not None  # read_meta returned it or added a problem
     return meta

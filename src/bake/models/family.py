@@ -144,7 +144,8 @@ class Family:
 
     def ffn_names(self, layer: int) -> tuple[str, str, str]:
         """State-dict names of layer ``layer``'s gate, up and down weights."""
-        return tuple(f"model.layers.{layer}.{name}.weight" for name in self.ffn)
+        gate, up, down = (f"model.layers.{layer}.{name}.weight" for name in self.ffn)
+        return gate, up, down
 
 
 _REGISTRY: dict[str, Family] = {}

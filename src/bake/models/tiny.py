@@ -7,6 +7,12 @@ deterministic function of ``model.tiny.init_seed``.
 from __future__ import annotations
 
 from functools import lru_cache
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    from bake.config import TinyConf
 
 EOS = "<|endoftext|>"
 VOCAB_SIZE = 257  # 256 byte tokens + EOS
@@ -30,7 +36,7 @@ def bytes_to_unicode() -> dict[int, str]:
 
 
 @lru_cache(maxsize=1)
-def byte_tokenizer():
+def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: token id = byte value, plus one EOS token (id 256)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
@@ -45,11 +51,12 @@ def byte_tokenizer():
     )
 
 
-def tiny_config(tiny, loops: int = 1, loop_norm: bool = True):
+def tiny_config(tiny: TinyConf, loops: int = 1, loop_norm: bool = True) -> LlamaConfig:
     """A LlamaConfig for the tiny model (``tiny`` is the ``model.tiny`` config section)."""
     from transformers import LlamaConfig
 
-    return LlamaConfig(
+    # Keywords LlamaConfig does not declare (the loop settings) are kept as attributes.
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=VOCAB_SIZE,
         hidden_size=tiny.hidden_size,
         intermediate_size=tiny.intermediate_size,
@@ -69,7 +76,9 @@ def tiny_config(tiny, loops: int = 1, loop_norm: bool = True):
     )
 
 
-def build_tiny(tiny, loops: int = 1, loop_norm: bool = True):
+def build_tiny(
+    tiny: TinyConf, loops: int = 1, loop_norm: bool = True
+) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """Build the tiny model (fp32, eval mode) and its tokenizer."""
     import torch
     from transformers import LlamaForCausalLM

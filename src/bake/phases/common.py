@@ -10,12 +10,23 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
 from bake.errors import TrainingDiverged
+
+if TYPE_CHECKING:
+    from lightning import LightningModule, Trainer
+    from lightning.pytorch.callbacks import Callback
+
+    from bake.config import TrainerConf
+
+    _Mixed = LightningModule  # CalibrationSteps reads the trainer state of the module it joins
+else:
+    _Mixed = object
 
 log = logging.getLogger("bake.phases")
 
@@ -41,7 +52,8 @@ def step_loader(steps: int) -> DataLoader:
 
 def held_loader(held: Tensor, batch_size: int) -> DataLoader:
     """Held-out chunks in batches; each rank scores all of them (same number everywhere)."""
-    return DataLoader(list(torch.split(held, batch_size)), batch_size=None, shuffle=False)
+    chunks = list(torch.split(held, batch_size))  # a list is a map-style dataset
+    return DataLoader(chunks, batch_size=None, shuffle=False)  # type: ignore[arg-type]
 
 
 def calib_chunk(calib: Tensor, step: int, rank: int, world: int) -> Tensor:
@@ -86,7 +98,7 @@ class StepTimer:
         self.fwd_bwd, self.opt, self.steps = state["fwd_bwd"], state["opt"], state["steps"]
 
 
-class CalibrationSteps:
+class CalibrationSteps(_Mixed):
     """What the training steps of both phases share, mixed into their LightningModules.
 
     The module sets ``phase`` ("a" or "b"), ``calib`` (the calibration chunks) and ``timer``.
@@ -215,13 +227,13 @@ def _streaming_io():
 
 
 def make_trainer(
-    tcfg,
+    tcfg: TrainerConf,
     phase_dir: Path,
     steps: int,
     eval_every: int,
     monitor: str,
-    extra_callbacks: list | None = None,
-):
+    extra_callbacks: list[Callback] | None = None,
+) -> Trainer:
     """A Trainer for one phase: max ``steps``, held-out evaluation every ``eval_every`` steps,
     ``best.ckpt`` on the lowest ``monitor`` (strictly lower replaces) and ``last.ckpt`` at
     every evaluation, for resume. No sanity-check evaluation, no Lightning logger: bake logs
@@ -235,7 +247,7 @@ def make_trainer(
 
     quiet_lightning()
     evaluates = steps >= eval_every
-    callbacks = [
+    callbacks: list[Callback] = [
         ModelCheckpoint(  # the selected evaluation: strictly lower replaces
             dirpath=phase_dir,
             filename="best",
@@ -303,7 +315,7 @@ def verified_checkpoint(path: Path) -> Path:
     return path
 
 
-def fit(trainer, module, ckpt: Path | None) -> None:
+def fit(trainer: Trainer, module: LightningModule, ckpt: Path | None) -> None:
     """``trainer.fit`` that re-raises Ctrl-C as KeyboardInterrupt (Lightning turns it into
     SystemExit(1) after a graceful shutdown) and lets every other error through."""
     import warnings

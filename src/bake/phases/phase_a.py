@@ -122,7 +122,8 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         self.prev_alive: Tensor = torch.ones(init_logits.shape, dtype=torch.bool)  # the start
         self.timer = StepTimer()
         self.on_evaluation = on_evaluation
-        self._nll, self._count, self._gates = 0.0, 0, None
+        self._gates: Tensor | None = None  # the evaluation's gates, set when it starts
+        self._nll, self._count = 0.0, 0
 
     # -- training ---------------------------------------------------------------------------
     def on_fit_start(self) -> None:
@@ -289,6 +290,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("bake")
         self.identity.check(state and state.get("identity"), "resume (phase A checkpoint)")
+        assert state is not None  # check() refuses a checkpoint without bake's state
         shape = tuple(checkpoint["state_dict"]["logits"].shape)
         if shape != tuple(self.logits.shape):
             from bake.errors import BakeError

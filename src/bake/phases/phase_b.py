@@ -96,7 +96,7 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         p = list(self.ffn)
         return {li: tuple(p[3 * i : 3 * i + 3]) for i, li in enumerate(self.layer_ids)}
 
-    def overrides(self) -> dict[int, tuple[Tensor, Tensor, Tensor]]:
+    def overrides(self) -> FfnOverride:
         """The FFN weights the forward runs with: the trained copies over the fixed base."""
         return {**self.base, **self.copies()}
 
@@ -198,6 +198,7 @@ class PhaseB(CalibrationSteps, L.LightningModule):
     def on_load_checkpoint(self, checkpoint: dict) -> None:
         state = checkpoint.get("bake")
         self.identity.check(state and state.get("identity"), "resume (phase B checkpoint)")
+        assert state is not None  # check() refuses a checkpoint without bake's state
         if state["layers"] != self.layer_ids:
             raise BakeError(
                 f"resume (phase B checkpoint): trained layers {state['layers']}, this run "

@@ -68,6 +68,7 @@ class PhaseAResult:
                 f"selected step {ev['step']}: {100 * ev['sparsity']:.2f}% pruned, held-PPL "
                 f"{ev['held_ppl']:.3f}" + (f" (target {100 * target:.1f}%)" if target > 0 else "")
             )
+        assert self.eval_logits is not None  # stored whenever there are evaluations
         logits = self.eval_logits[choice.index].clone()
         return Selection(logits, choice.index, ev, choice.fell_back, note)
 

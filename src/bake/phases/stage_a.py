@@ -166,8 +166,9 @@ def run(ctx: Ctx, on_evaluation) -> tuple[PhaseAResult, Selection]:
     else:
         key = phase_a_key(ctx)
         cache_path = ctx.cache / "phase_a" / f"{cfg.model.name}-{key}.safetensors"
-        result = PhaseAResult.load(cache_path)
-        if result is not None:
+        cached = PhaseAResult.load(cache_path)
+        if cached is not None:
+            result = cached
             only = "only the selection depends on phase_a.target_sparsity"
             log.info(
                 "Phase A: reusing the cached result %s (trained once for these settings%s)",

@@ -51,7 +51,8 @@ def llama_config(cfg: dict) -> LlamaConfig:
         rope = {**cfg["rope_scaling"], "rope_theta": rope["rope_theta"]}
         rope.setdefault("rope_type", rope.pop("type", "default"))
     heads = int(cfg["num_attention_heads"])
-    return LlamaConfig(
+    # Keywords LlamaConfig does not declare (the loop settings) are kept as attributes.
+    return LlamaConfig(  # type: ignore[call-arg]
         vocab_size=int(cfg["vocab_size"]),
         hidden_size=int(cfg["hidden_size"]),
         intermediate_size=int(cfg["intermediate_size"]),
