@@ -189,6 +189,9 @@ def adopt_row(name: str, row: dict, run: Path) -> dict:
     return {"name": name, **row, "wall_s": wall, "run": str(run), "report": report, "adopted": True}
 
 
+_STATS: dict = {}
+
+
 def extra_evaluations(result: dict, cache: Path) -> dict:
     """The exported model on Python outside the corpus, and Wanda-sp + least squares at the
     SAME per-layer widths on the test split and that text (the backbone's, repaired)."""
@@ -211,7 +214,10 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     del artifact
     stack = model.stack
     widths = rep["export"]["kept_per_visit"]
-    stats = scores.activation_stats(stack, corpus.calib)
+    key = (rep["model"]["key"], corpus.content_key)
+    if key not in _STATS:  # one corpus's statistics serve every row that bakes on it
+        _STATS[key] = scores.activation_stats(stack, corpus.calib)
+    stats = _STATS[key]
     keep = scores.keep_top(scores.wanda(stack, stats), widths)
     physical = keep.view(stack.loops, stack.num_layers, -1).any(dim=0)
     ffn = repair.least_squares(stack, corpus.calib[:96], keep, physical)

@@ -89,6 +89,8 @@ def test_repair_selection_is_the_first_strict_minimum_below_the_start():
     assert masks.select_repair([10.5, 10.0], 10.0) is None
     assert masks.select_repair([10.5, 9.9, 9.9, 9.95], 10.0) == 1
     assert masks.select_repair([math.nan, 9.0], 10.0) == 1  # a NaN first never hides the rest
+    assert masks.select_repair([9.0, math.nan], 10.0) == 0  # nor wins after an improvement
+    assert masks.select_repair([math.nan], 10.0) is None
     assert masks.select_repair([], 10.0) is None
 
 
