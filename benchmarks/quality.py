@@ -223,12 +223,16 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     ffn = repair.least_squares(stack, corpus.calib[:96], keep, physical)
     gates = keep.float()
 
+    outside_key = ("outside", rep["model"]["key"])
+    if outside_key not in _STATS:  # the unpruned model on that text: the same for every row
+        _STATS[outside_key] = perplexity(*held_nll(stack, outside, None, None, 4, "fp32"))
+
     def ppl(chunks) -> float:
         return perplexity(*held_nll(stack, chunks, gates, ffn, 4, "fp32"))
 
     return {
         "exported_outside": exported_outside,
-        "backbone_outside": perplexity(*held_nll(stack, outside, None, None, 4, "fp32")),
+        "backbone_outside": _STATS[outside_key],
         "wanda_ls_test": ppl(corpus.test) if corpus.test.numel() else math.nan,
         "wanda_ls_outside": ppl(outside),
         "wanda_ls_widths": widths,
