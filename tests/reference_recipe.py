@@ -155,3 +155,43 @@ def phase_b(model: TinyLlama, calib, gates, layers, steps, lr):
         flat = opt.step(flat, clip(list(grads)), scale)
         copies = {i: flat[3 * k : 3 * k + 3] for k, i in enumerate(layers)}
     return copies
+
+
+def top_keep(logits, sparsity: float):
+    """The controller's structure without alignment: the highest logits over all rows, at most
+    floor((1 - sparsity) * all) of them (ties: the lower position stays)."""
+    flat = logits.flatten()
+    budget = math.floor((1.0 - sparsity) * flat.numel() + 1e-9)
+    order = torch.sort(-flat, stable=True).indices
+    keep = torch.zeros_like(flat, dtype=torch.bool)
+    keep[order[:budget]] = True
+    return keep.view_as(logits)
+
+
+def joint_phase_a(model: TinyLlama, calib, logits, steps, lr, ffn_lr, target, ramp, l1, eval_every):
+    """Phase A that trains every layer's FFN copies with the mask: the hard structure at the
+    sparsity ramped from 0 to ``target`` over ``ramp`` of the steps (straight-through: the
+    sigmoid's gradient), CE + L1 on sigma(m); the logits with their own clip and Adam at ``lr``,
+    the weights with theirs at ``ffn_lr``, cosine over the steps and divided by the loop depth.
+    ``l1`` = (init, step): the weight grows by ``step`` after every evaluation step."""
+    inter, n = logits.shape[1], model.layers
+    flat = [w.clone() for i in range(n) for w in model.ffn(i)]
+    opt_m, opt_w = Adam([logits], lr), Adam(flat, ffn_lr)
+    weight = l1[0]
+    for s in range(steps):
+        end = ramp * steps
+        sp = target if end <= 0 or s >= end else target * s / end
+        m = logits.detach().clone().requires_grad_()
+        params = [w.detach().clone().requires_grad_() for w in flat]
+        sig = torch.sigmoid(m)
+        gates = top_keep(m.detach(), sp).to(m.dtype) + sig - sig.detach()
+        ffn = {i: params[3 * i : 3 * i + 3] for i in range(n)}
+        loss = model.ce(calib[s % calib.shape[0]][None], gates, ffn)
+        loss = loss + weight / (inter * n) * sig.sum()
+        grads = torch.autograd.grad(loss, [m, *params])
+        (logits,) = opt_m.step([logits], clip([grads[0]]))
+        scale = 0.5 * (1 + math.cos(math.pi * s / steps)) / model.loops
+        flat = opt_w.step(flat, clip(list(grads[1:])), scale)
+        if (s + 1) % eval_every == 0:
+            weight += l1[1]
+    return logits, {i: flat[3 * i : 3 * i + 3] for i in range(n)}

@@ -110,7 +110,9 @@ def test_a_target_no_aligned_structure_meets_is_refused_naming_it():
 
 
 def test_shape_checks_read_metadata_only():
-    cfg = compose(["phase_b.layers=31", "corpus.chunk_len=9000"])  # smollm2: 30 layers, 8192
+    cfg = compose(
+        ["phase_b.layers=31", "phase_b.all_layers=false", "corpus.chunk_len=9000"]
+    )  # smollm2: 30 layers, 8192
     t0 = time.perf_counter()
     with pytest.raises(ConfigError) as err:
         validate(cfg)

@@ -112,6 +112,22 @@ def _qwen3(**kw):
     return Qwen3ForCausalLM(Qwen3Config(**shape(**kw)))
 
 
+def _gemma3(**kw):
+    from transformers import Gemma3ForCausalLM, Gemma3TextConfig
+
+    return Gemma3ForCausalLM(Gemma3TextConfig(**shape(**kw)))
+
+
+WINDOW = 16  # below the test's chunks (32 in the bakes, 64 in the logits): sliding masks matter
+GEMMA_NORMS = (
+    "post_attention_layernorm.weight",
+    "pre_feedforward_layernorm.weight",
+    "post_feedforward_layernorm.weight",
+    "self_attn.q_norm.weight",
+    "self_attn.k_norm.weight",
+)
+
+
 QKV_BIAS = ("self_attn.q_proj.bias", "self_attn.k_proj.bias", "self_attn.v_proj.bias")
 HF_CASES = {
     # Llama-type checkpoints may carry attention biases; SmolLM ties the head.
@@ -124,17 +140,34 @@ HF_CASES = {
     "nanbeige4": Case(
         "llama", lambda: _llama(head_dim=16, rope_theta=70000.0, tie_word_embeddings=False)
     ),
-    "mistral": Case("mistral", lambda: _mistral(head_dim=16, sliding_window=64)),
-    # Sliding layers from layer 1 on, with a window above the chunk (exact there).
+    "mistral": Case("mistral", lambda: _mistral(head_dim=16, sliding_window=WINDOW)),
+    # Sliding layers from layer 1 on, with a window shorter than the chunks.
     "qwen2": Case(
         "qwen2",
-        lambda: _qwen2(use_sliding_window=True, sliding_window=48, max_window_layers=1),
+        lambda: _qwen2(use_sliding_window=True, sliding_window=WINDOW, max_window_layers=1),
         QKV_BIAS,
     ),
     "qwen3": Case(
         "qwen3",
         lambda: _qwen3(head_dim=16, attention_bias=True),
         ("self_attn.q_norm.weight", "self_attn.k_norm.weight", *QKV_BIAS),
+    ),
+    # GeGLU, four norms per layer, sliding and full layers with different RoPE bases, a scaled
+    # embedding and an attention scale of its own.
+    "gemma3": Case(
+        "gemma3_text",
+        lambda: _gemma3(
+            head_dim=16,
+            sliding_window=WINDOW,
+            layer_types=["sliding_attention", "full_attention", "sliding_attention"],
+            rope_parameters={
+                "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            },
+            query_pre_attn_scalar=24,
+            hidden_activation="gelu_pytorch_tanh",
+        ),
+        GEMMA_NORMS,
     ),
 }
 # GGUF files transformers converts; Qwen3's converter assumes head_dim 128.
@@ -198,7 +231,7 @@ def with_ffn(lm, state: dict):
     return lm
 
 
-def ids_for_test(batch: int = 2, seq: int = CHUNK) -> torch.Tensor:
+def ids_for_test(batch: int = 2, seq: int = 4 * WINDOW) -> torch.Tensor:
     return torch.randint(0, 256, (batch, seq), generator=torch.Generator().manual_seed(11))
 
 
@@ -463,7 +496,7 @@ def test_gguf_architecture_transformers_cannot_convert_is_refused(tmp_path, caps
     args = ["model=gguf", f"model.path={tmp_path / 'm.gguf'}", f"paths.outputs={tmp_path}"]
     assert run_bake(args) == 2
     err = capsys.readouterr().err
-    assert "GGUF architecture 'mistral'" in err and "accepted: llama, qwen2, qwen3" in err
+    assert "GGUF architecture 'mistral'" in err and "accepted: gemma3, llama, qwen2, qwen3" in err
 
 
 @pytest.mark.cli
@@ -578,11 +611,11 @@ def _save(lm, folder: Path) -> Path:
 
 @pytest.mark.cli
 def test_activation_bake_cannot_reproduce_is_refused_before_any_weight(tmp_path, capsys):
-    src = _save(_qwen3(head_dim=16, hidden_act="gelu"), tmp_path / "q3gelu")
-    with pytest.raises(BakeError, match=r"Qwen3 sets hidden_act='gelu'; bake reproduces only"):
+    src = _save(_qwen3(head_dim=16, hidden_act="relu"), tmp_path / "q3relu")
+    with pytest.raises(BakeError, match=r"Qwen3 sets hidden_act='relu'; bake reproduces only"):
         read_meta(hf_cfg(src))
     assert run_bake(["model=hf", f"model.name_or_path={src}", f"paths.outputs={tmp_path}"]) == 2
-    assert "Qwen3 sets hidden_act='gelu'" in capsys.readouterr().err
+    assert "Qwen3 sets hidden_act='relu'" in capsys.readouterr().err
 
 
 def test_mlp_biases_are_refused_naming_the_field(tmp_path):
@@ -600,21 +633,34 @@ def test_unknown_family_with_a_gated_mlp_is_refused_when_loaded(tmp_path):
         load_model(hf_cfg(src), tmp_path / "cache")
     msg = str(err.value)
     assert "model_type 'gemma' is not a family bake reproduces exactly" in msg
-    assert "supported: llama, mistral, nanbeige, qwen2, qwen3" in msg
+    assert "supported: gemma3_text, llama, mistral, nanbeige, qwen2, qwen3" in msg
 
 
-@pytest.mark.parametrize(("name", "window"), [("mistral", 64), ("qwen2", 48)])
-def test_chunks_longer_than_the_attention_window_are_refused(name, window, hf_source, tmp_path):
+@pytest.mark.parametrize("name", ["mistral", "qwen2", "gemma3"])
+def test_sliding_layers_are_exact_beyond_the_window(name, hf_source, tmp_path):
+    """Chunks four times the window: bake's forward (sliding masks per layer, per-type RoPE)
+    gives the logits of transformers' own model, and its validation accepts such chunks."""
     from conftest import compose
 
-    from bake.errors import ConfigError
     from bake.validate import validate
 
     src = hf_source(name)
-    assert read_meta(hf_cfg(src)).sliding_window == window
-    cfg = compose(["model=hf", f"model.name_or_path={src}", f"corpus.chunk_len={window + 1}"])
-    with pytest.raises(ConfigError, match=f"sliding attention window of {window} tokens"):
-        validate(cfg)
+    assert read_meta(hf_cfg(src)).sliding_window == WINDOW
+    cfg = compose(["model=hf", f"model.name_or_path={src}", f"corpus.chunk_len={4 * WINDOW}"])
+    validate(cfg)
+    loaded = load_model(hf_cfg(src), tmp_path / "cache")
+    ids = ids_for_test()
+    with torch.no_grad():
+        ours = loaded.lm.lm_head(loaded.stack.hidden(ids))
+        theirs = original(src)(ids).logits
+        causal = loaded.stack.windows
+        loaded.stack.windows = [None] * len(causal)  # the defect: full attention everywhere
+        loaded.stack._masks.clear()
+        wrong = loaded.lm.lm_head(loaded.stack.hidden(ids))
+        loaded.stack.windows = causal
+        loaded.stack._masks.clear()
+    assert float((ours - theirs).abs().max()) <= TOL
+    assert float((wrong - theirs).abs().max()) > 1e-3  # the window matters at this length
 
 
 SLIDING = ["full_attention", "sliding_attention", "full_attention"]
@@ -650,7 +696,8 @@ def test_every_registered_family_has_a_parity_case():
     families = all_families()
     covered = {case.family for case in HF_CASES.values()} | {"nanbeige"}
     assert {f.model_type for f in families} == covered
-    assert {f.gguf_arch for f in families if f.gguf_arch} == set(GGUF_CASES)
+    # gemma3's GGUF path is checked on the real checkpoint (tests/test_gemma3.py)
+    assert {f.gguf_arch for f in families if f.gguf_arch} == set(GGUF_CASES) | {"gemma3"}
 
 
 @pytest.mark.bake

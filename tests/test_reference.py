@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_recipe import TinyLlama, mask_init_logit, phase_a, phase_b
+from reference_recipe import TinyLlama, joint_phase_a, mask_init_logit, phase_a, phase_b
 from test_phase_a import tcfg, tiny
 
 from bake import masks
@@ -80,6 +80,35 @@ def test_phase_b_steps_under_the_hard_mask_equal_the_reference(tmp_path, loops):
         torch.testing.assert_close(module.copies()[2][0][dropped], before[0][dropped])
     moved = (module.copies()[2][2] - stack.ffn_weights(2)[2]).abs().max()
     assert moved > 1e-4  # and the kept ones were trained
+
+
+@pytest.mark.trainer
+@pytest.mark.parametrize("loops", [1, 2])
+def test_phase_a_training_the_ffn_with_the_mask_equals_the_reference(tmp_path, loops):
+    """train_ffn: the controller's hard structure, straight-through, L1 on the gates, and the
+    FFN copies of every layer trained in the same steps with their own clip and cosine rate."""
+    stack = tiny(loops=loops)
+    calib, held = data(7)
+    g = torch.Generator().manual_seed(2)
+    init = torch.randn(stack.num_virtual, stack.inter, generator=g, dtype=torch.float64) + 2.0
+    rule = masks.ShipRule(0.3, 1, False, 0.5, ranked=True)
+    s = PhaseASettings(
+        steps=6, l1_init=0.5, l1_step=1.0, l1_mult=1.0, lr=0.05, eval_every=2, tau=0.5,
+        target_sparsity=0.3, straight_through=True, eval_batch_size=3, controller=True,
+        ramp=0.5, ship=rule, train_ffn=True, ffn_lr=1e-2,
+    )  # fmt: skip
+    module = PhaseA(stack, calib, held, s, init, Identity("tiny", "ref"))
+    make_trainer(tcfg(), tmp_path / "a", s.steps, s.eval_every, "phase_a/select").fit(module)
+    ref = reference_of(stack)
+    logits, ffn = joint_phase_a(ref, calib, init.clone(), 6, 0.05, 1e-2, 0.3, 0.5, (0.5, 1.0), 2)
+    torch.testing.assert_close(module.logits.detach(), logits, rtol=0, atol=1e-6)
+    for li in range(3):
+        for mine, want in zip(module.copies()[li], ffn[li], strict=True):
+            # Adam's first steps move a weight by ~lr whatever its gradient's size: a gradient
+            # near zero that differs by float32 rotary rounding moves it by a hair differently
+            torch.testing.assert_close(mine.detach(), want, rtol=0, atol=2e-6)
+    assert (module.copies()[1][2] - stack.ffn_weights(1)[2]).abs().max() > 1e-3  # trained
+    assert (logits - init).abs().max() > 0.05
 
 
 @pytest.mark.parametrize("loops, pinned", [(1, 2.0), (2, 2.72538), (3, 3.14152), (4, 3.43452)])

@@ -14,11 +14,14 @@ from bake import repair
 pytestmark = pytest.mark.slow  # seconds per case: the repair and its reference, layer by layer
 
 
-def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float):
+def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float, drift: float = 0.0):
     """Layer by layer, in order, on the pruned model's own stream: min over the kept columns of
-    sum over visits and tokens of ||W'[:, K] (g_v a_K) - W a||^2, plus ridge * mean diag."""
+    sum over visits and tokens of ||W'[:, K] (g_v a_K) - t||^2, plus ridge * mean diag, with
+    t = W a + drift * (the unpruned stream after the layer - the pruned one after attention -
+    W a): the unpruned model run alongside, from the same embedding."""
     n = ref.layers
     h = ref.w["model.embed_tokens.weight"][calib]
+    h_o = h.clone()
     physical = keep_visits.view(ref.loops, n, -1).any(dim=0)
     normal = {i: [0, 0] for i in range(n)}
     solved = {}
@@ -29,11 +32,15 @@ def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float):
         x = ref.rms(h, ref.w[p + "post_attention_layernorm.weight"])
         wg, wu, wd = ref.ffn(i)
         a = (F.silu(x @ wg.T) * (x @ wu.T)).reshape(-1, wg.shape[0])
+        h_o = h_o + ref.attention(i, ref.rms(h_o, ref.w[p + "input_layernorm.weight"]))
+        x_o = ref.rms(h_o, ref.w[p + "post_attention_layernorm.weight"])
+        h_o = h_o + (F.silu(x_o @ wg.T) * (x_o @ wu.T)) @ wd.T  # the unpruned model, unchanged
         k = physical[i].nonzero().squeeze(1)
         b = a[:, k] * keep_visits[v, k].to(a.dtype)  # what the kept columns see on this visit
-        target = a @ wd.T  # the whole unpruned FFN on the same input
+        own = a @ wd.T  # the whole unpruned FFN on the same input
+        target_t = own + drift * ((h_o - h).reshape(-1, h.shape[-1]) - own)
         normal[i][0] = normal[i][0] + b.T @ b
-        normal[i][1] = normal[i][1] + target.T @ b
+        normal[i][1] = normal[i][1] + target_t.T @ b
         m, r = normal[i]
         lam = ridge * m.diagonal().mean()
         cols = torch.linalg.solve(m + lam * torch.eye(len(k), dtype=m.dtype), r.T).T
@@ -44,18 +51,21 @@ def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float):
         h = h + ((F.silu(x @ wg.T) * (x @ wu.T)) * gate) @ down.T
         if ref.loop_norm and i == n - 1 and v < n * ref.loops - 1:
             h = ref.rms(h, ref.w["model.norm.weight"])
+            h_o = ref.rms(h_o, ref.w["model.norm.weight"])
     return solved
 
 
+@pytest.mark.parametrize("drift", [0.0, 0.5, 1.0])
 @pytest.mark.parametrize("loops", [1, 2])
-def test_least_squares_equals_an_independent_sequential_solution(loops):
+def test_least_squares_equals_an_independent_sequential_solution(loops, drift):
     stack = tiny(loops=loops)
     g = torch.Generator().manual_seed(3)
     calib = torch.randint(0, 256, (5, 24), generator=g)
     keep = torch.rand(stack.num_virtual, stack.inter, generator=g) > 0.35
-    got = repair.least_squares(stack, calib, keep, keep.view(loops, 3, -1).any(dim=0), 1e-3, 2)
+    physical = keep.view(loops, 3, -1).any(dim=0)
+    got = repair.least_squares(stack, calib, keep, physical, 1e-3, 2, drift=drift)
     ref = TinyLlama(stack.lm.state_dict(), stack.lm.config, loops, stack.loop_norm)
-    want = independent_repair(ref, calib, keep, 1e-3)
+    want = independent_repair(ref, calib, keep, 1e-3, drift)
     for i in range(3):
         torch.testing.assert_close(got[i][2], want[i], rtol=1e-6, atol=1e-7)
         dropped = ~keep.view(loops, 3, -1).any(dim=0)[i]
@@ -63,10 +73,21 @@ def test_least_squares_equals_an_independent_sequential_solution(loops):
         assert (got[i][2] - stack.ffn_weights(i)[2]).abs().max() > 1e-3  # and kept ones moved
 
 
+def test_the_two_targets_differ_once_the_stream_has_drifted():
+    stack = tiny()
+    g = torch.Generator().manual_seed(5)
+    calib = torch.randint(0, 256, (5, 24), generator=g)
+    keep = torch.rand(3, stack.inter, generator=g) > 0.35
+    a = repair.least_squares(stack, calib, keep, keep, 1e-3, 2, drift=0.0)
+    b = repair.least_squares(stack, calib, keep, keep, 1e-3, 2, drift=1.0)
+    torch.testing.assert_close(a[0][2], b[0][2], rtol=1e-5, atol=1e-6)  # no drift before layer 0
+    assert (a[2][2] - b[2][2]).abs().max() > 1e-4
+
+
 def test_nothing_pruned_gives_back_the_original_weights():
     stack = tiny()
     calib = torch.randint(0, 256, (12, 24), generator=torch.Generator().manual_seed(4))  # 288 > 128
     keep = torch.ones(3, stack.inter, dtype=torch.bool)
-    got = repair.least_squares(stack, calib, keep, keep, 1e-10, 2)
+    got = repair.least_squares(stack, calib, keep, keep, 1e-10, 2, drift=0.0)
     for i in range(3):
         torch.testing.assert_close(got[i][2], stack.ffn_weights(i)[2], rtol=1e-5, atol=1e-6)

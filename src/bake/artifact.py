@@ -8,13 +8,14 @@ exported perplexity is the artifact's own, and a wrong config.json or a dropped 
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
 from torch import Tensor
 
-from bake.stack import autocast_for
+from bake.stack import autocast_for, perplexity
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -75,3 +76,59 @@ def artifact_nll(
             total += next_token_nll(model(ids).logits, ids)
             count += ids.shape[0] * (seq - 1)
     return total, count
+
+
+def logits_fn(model) -> Callable[[Tensor], Tensor]:
+    """``ids -> model(ids).logits`` in float32 (the artifact's own forward)."""
+    return lambda ids: model(ids).logits.float()
+
+
+def measure(
+    model_dir: Path,
+    fmt: str,
+    device,
+    chunks: dict[str, Tensor],
+    texts: dict[str, list[str]],
+    batch_size: int,
+    precision: str,
+    trimmed: bool,
+) -> dict:
+    """The artifact loaded as a user loads it, measured on each split: perplexity per token and
+    bits per byte (:mod:`bake.bpb`) with its own tokenizer. ``chunks`` are the splits in the
+    source's token ids; a trimmed vocabulary scores the splits' TEXT instead (``ppl_*`` is then
+    per token of its own tokenization)."""
+    from transformers import AutoTokenizer
+
+    from bake import bpb
+
+    model = load_artifact(model_dir, fmt, device)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    out: dict = {}
+    for split, ids in chunks.items():
+        if not ids.numel():
+            out[f"ppl_{split}"] = out[f"bpb_{split}"] = None
+            continue
+        data = scored_texts(tokenizer, texts[split], model.config)
+        per = max(1, min(batch_size, LOGITS_BUDGET // max(1, len(data.ids[0]) * vocab_of(model))))
+        nll = bpb.nll_of(logits_fn(model), data, per, device)
+        out[f"bpb_{split}"] = bpb.bits_per_byte(nll, data)
+        if trimmed:
+            out[f"ppl_{split}"] = bpb.per_token(nll, data)
+            out[f"text_nll_{split}"] = nll
+        else:
+            out[f"ppl_{split}"] = perplexity(*artifact_nll(model, ids, batch_size, precision))
+    return out
+
+
+def vocab_of(model) -> int:
+    return int(model.config.vocab_size)
+
+
+def scored_texts(tokenizer, texts: list[str], config):
+    """The scored sequences of ``texts`` under ``tokenizer`` (:func:`bake.bpb.scored`)."""
+    from bake import bpb
+    from bake.corpus import bos_prefix
+
+    start = bpb.start_id(tokenizer, bool(bos_prefix(tokenizer)))
+    limit = getattr(config, "max_position_embeddings", None)
+    return bpb.scored(texts, tokenizer, start, limit)

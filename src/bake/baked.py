@@ -143,6 +143,9 @@ def _rebuild_buffers(lm: PreTrainedModel, path: Path) -> None:
     """Non-persistent buffers (the rotary frequencies) are not in the file: compute them."""
     rotary = lm.model.rotary_emb
     lm.model.rotary_emb = type(rotary)(lm.config)
+    embed = lm.model.embed_tokens
+    if hasattr(embed, "scalar_embed_scale"):  # Gemma's sqrt(hidden_size), a non-persistent buffer
+        embed.embed_scale = torch.tensor(float(embed.scalar_embed_scale))
     left = [name for name, t in [*lm.named_parameters(), *lm.named_buffers()] if t.is_meta]
     if left:
         raise BakeError(f"{path}: no values for {', '.join(left[:4])} after loading the weights")

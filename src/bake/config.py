@@ -33,11 +33,13 @@ class CorpusSource(StrEnum):
 class Gate(StrEnum):
     sigmoid = "sigmoid"  # the reference: sigma(m) multiplies the FFN activations
     straight_through = "straight_through"  # hard 0/1 forward, sigmoid gradient
+    open = "open"  # every gate 1 in the forward (the dense model), the sigmoid's gradient
 
 
 class MaskInit(StrEnum):
     constant = "constant"  # every logit starts at the loop-solved init logit
     wanda = "wanda"  # init logit + per-layer z-score of log(Wanda-sp score)
+    flap = "flap"  # init logit + FLAP's standardised fluctuation score (its ranking)
 
 
 class PhaseAMethod(StrEnum):
@@ -49,6 +51,22 @@ class PhaseAMethod(StrEnum):
 class Controller(StrEnum):
     none = "none"  # the recipe: the L1 schedule alone sets the pace
     schedule = "schedule"  # the hard structure follows a sparsity ramped to the target
+
+
+class VocabMode(StrEnum):
+    full = "full"  # keep the source's vocabulary
+    task = "task"  # keep the tokens the task uses (and what keeps every text encodable)
+
+
+class GgufType(StrEnum):
+    none = "none"  # no GGUF file
+    f32 = "f32"  # exact: what the tests compare with transformers
+    f16 = "f16"
+    bf16 = "bf16"
+    q8_0 = "q8_0"
+    q4_k_m = "q4_k_m"  # the k-quants (llama-quantize): FFN widths multiples of 256
+    q5_k_m = "q5_k_m"
+    q6_k = "q6_k"
 
 
 class Precision(StrEnum):
@@ -76,6 +94,7 @@ class ModelConf:
     path: str | None = None
     package: str | None = None
     gguf_file: str | None = None
+    assembled: bool = False
     loops: int | None = None
     loop_norm: bool | None = None
     tiny: TinyConf | None = None
@@ -112,6 +131,9 @@ class PhaseAConf:
     eval_precision: Precision = Precision.auto
     controller: Controller = Controller.none
     ramp: float = 0.5
+    shared_visits: bool = False
+    train_ffn: bool = False
+    ffn_lr: float = 1e-4
 
 
 @dataclass
@@ -124,8 +146,9 @@ class PhaseBConf:
     distill: float = 0.0
     eval_every: int = 30
     least_squares: bool = False
-    ls_chunks: int = 96
+    ls_chunks: int = 240
     ls_ridge: float = 1e-3
+    ls_drift: float = 0.5
 
 
 @dataclass
@@ -133,6 +156,9 @@ class ExportConf:
     align: int = 32
     uniform_inter: bool = False
     align_before_repair: bool = True
+    vocab: VocabMode = VocabMode.full
+    vocab_min_count: int = 1
+    gguf: GgufType = GgufType.none
 
 
 @dataclass
@@ -152,6 +178,7 @@ class TrainerConf:
     strategy: str = "auto"
     progress_bar: bool = True
     eval_batch_size: int = 4
+    memory_limit_gib: float | None = None
     callbacks: list[Any] = field(default_factory=list)
 
 
@@ -173,6 +200,7 @@ class BakeConf:
     paths: PathsConf = field(default_factory=PathsConf)
     seed: int = 0
     resume: str | None = None
+    plan: bool = False
 
 
 _GROUPS = {

@@ -22,6 +22,7 @@ from torch import Tensor
 from bake import masks
 from bake.baked import VISIT_MASKS
 from bake.models import family as families
+from bake.vocab import Trim, remap_ids, rewrite_tokenizer
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -120,10 +121,13 @@ _DROPPED = (
 LOOPED_TYPE = "bake_looped"  # model_type of a looped export: no stock class may load it
 
 
-def _config(lm: PreTrainedModel, keep: Keep, fmt: str, loops: int, loop_norm: bool) -> dict:
+def _config(
+    lm: PreTrainedModel, keep: Keep, fmt: str, loops: int, loop_norm: bool, trim: Trim | None
+) -> dict:
     """config.json of the export: the source's own (model_type, architectures and every family
-    field), with only the FFN widths changed; a looped export is renamed so that no stock
-    class runs it as one plain pass."""
+    field), with only the FFN widths changed (and, with a trimmed vocabulary, its size and
+    token ids); a looped export is renamed so that no stock class runs it as one plain
+    pass."""
     family = families.get(lm.config.model_type, "export")
     source = lm.config.to_dict()
     for key in _DROPPED:
@@ -131,6 +135,8 @@ def _config(lm: PreTrainedModel, keep: Keep, fmt: str, loops: int, loop_norm: bo
     source["architectures"] = [type(lm).__name__]
     source["dtype"] = "float32"
     cfg = family.config(source, keep.per_layer)
+    if trim is not None:
+        cfg = remap_ids(cfg, trim)
     if fmt == "looped":
         cfg["architectures"] = ["BakeLoopedForCausalLM"]
         cfg["model_type"] = LOOPED_TYPE
@@ -141,6 +147,8 @@ def _config(lm: PreTrainedModel, keep: Keep, fmt: str, loops: int, loop_norm: bo
         "loop_norm": loop_norm,
         "widths": keep.per_layer,
     }
+    if trim is not None:
+        cfg["bake"]["vocab"] = {"kept": len(trim.kept), "source_vocab_size": trim.vocab_size}
     return cfg
 
 
@@ -152,11 +160,20 @@ def _as_is(tensor: Tensor) -> Producer:
     return lambda: tensor
 
 
+VOCAB_ROWS = ("model.embed_tokens.weight", "lm_head.weight")  # one row per token id
+
+
+def _rows(tensor: Tensor, kept: Tensor) -> Producer:
+    """A producer of the kept token rows of an embedding or head."""
+    return lambda: tensor.index_select(0, kept.to(tensor.device))
+
+
 def _tensors(
-    stack: Stack, keep: Keep, trained: FfnOverride | None
+    stack: Stack, keep: Keep, trained: FfnOverride | None, trim: Trim | None = None
 ) -> list[tuple[str, tuple, Producer]]:
     """(name, shape, producer) of every tensor of the export: every tensor of the source that is
-    not an FFN weight, unchanged (attention biases, q/k norms, whatever the family has), then
+    not an FFN weight, unchanged (attention biases, q/k norms, whatever the family has; the
+    embedding and an untied head cut to the kept token rows with a trimmed vocabulary), then
     the pruned FFN weights. These are produced only when written, one at a time, so the export
     never holds a second copy of the model."""
     lm = stack.lm
@@ -167,6 +184,10 @@ def _tensors(
     for name, tensor in lm.state_dict().items():
         if name in ffn or (tied and name == "lm_head.weight"):
             continue  # a tied head is the embedding: transformers ties it again on load
+        if trim is not None and name in VOCAB_ROWS:
+            kept = torch.tensor(trim.kept, dtype=torch.long)
+            out.append((name, (len(trim.kept), *tensor.shape[1:]), _rows(tensor, kept)))
+            continue
         out.append((name, tuple(tensor.shape), _as_is(tensor)))
     hidden = stack.hidden_size
     for li, width in enumerate(keep.per_layer):
@@ -223,17 +244,19 @@ def write_model(
     tokenizer: PreTrainedTokenizerBase,
     keep: Keep,
     trained: FfnOverride | None,
+    trim: Trim | None = None,
 ) -> str:
     """Write the smaller model into ``directory`` (a staging directory); returns its format:
-    ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked)."""
+    ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked).
+    ``trim``: a task-trimmed vocabulary (:mod:`bake.vocab`), its tokenizer written too."""
     from safetensors.torch import save_file
 
     lm = stack.lm
     fmt = export_format(keep, stack.loops)
     directory.mkdir(parents=True, exist_ok=True)
-    cfg = _config(lm, keep, fmt, stack.loops, stack.loop_norm)
+    cfg = _config(lm, keep, fmt, stack.loops, stack.loop_norm, trim)
     (directory / "config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    tensors = _tensors(stack, keep, trained)
+    tensors = _tensors(stack, keep, trained, trim)
     save_streaming(directory / "model.safetensors", tensors, {"format": "pt"})
     if fmt == "looped":
         save_file(visit_gates(keep), str(directory / VISIT_MASKS))
@@ -241,6 +264,11 @@ def write_model(
     if gen is not None:
         gen.save_pretrained(directory)
     tokenizer.save_pretrained(directory)
+    if trim is not None:
+        rewrite_tokenizer(directory, trim)
+        path = directory / "generation_config.json"
+        if path.is_file():
+            path.write_text(json.dumps(remap_ids(json.loads(path.read_text()), trim), indent=2))
     return fmt
 
 

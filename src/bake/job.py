@@ -62,8 +62,11 @@ def run_job(cfg) -> float:
 
 
 def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
+    from bake import budget
+
     try:
         meta = validate(cfg, multirun=multirun)
+        plan = budget.check(cfg, meta)  # before any weight is read: refuses what cannot fit
     except ConfigError as exc:
         print(exc, file=sys.stderr)
         if not cfg.resume:
@@ -74,6 +77,13 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             record_failed_job(cfg, hc, str(exc))
             return _failed(hc, str(exc))
         sys.exit(2)
+    if cfg.plan:  # only the plan was asked for: print it, leave nothing behind
+        print(budget.table(plan) if plan else "memory plan: not available for this model")
+        if not cfg.resume:
+            _discard_unused(run_dir)
+        if multirun:
+            return math.nan
+        sys.exit(0)
 
     from bake import console
 
@@ -90,7 +100,7 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         from bake.pipeline import bake
 
         console.setup()  # log lines around the progress bars; no library bars or chatter
-        return bake(cfg, meta, run_dir, hc)
+        return bake(cfg, meta, run_dir, hc, plan)
     except BakeError as exc:
         print(f"bake: {exc}", file=sys.stderr)
         log.error("%s", exc)

@@ -48,9 +48,13 @@ def alive(logits: Tensor, tau: float) -> Tensor:
     return torch.sigmoid(logits) > tau
 
 
-def soft_gates(logits: Tensor, tau: float, straight_through: bool) -> Tensor:
-    """Training gates: sigma(m), or the hard mask forward with sigma's gradient."""
+def soft_gates(logits: Tensor, tau: float, straight_through: bool, open_: bool = False) -> Tensor:
+    """Training gates: sigma(m); or the hard mask forward with sigma's gradient; or (``open_``)
+    every gate 1 forward with sigma's gradient: the dense model runs, and each logit learns
+    from dL/dg at g = 1, the first-order change of the loss were its neuron removed."""
     s = torch.sigmoid(logits)
+    if open_:
+        return 1.0 + s - s.detach()
     if not straight_through:
         return s
     hard = (s > tau).to(s.dtype)
@@ -181,6 +185,19 @@ def round_up(n: int, align: int, cap: int) -> int:
     return min(-(-n // align) * align, cap)
 
 
+def share_visits(rows: Tensor, loops: int, reduce: str = "mean") -> Tensor:
+    """Rows [loops * layers, ...] made identical across the visits of each physical layer: the
+    mean (or the sum) over its visits, repeated for every visit. ``phase_a.shared_visits``
+    ties a looped model's scores, initial logits and logit gradients with it, so that every
+    visit of a layer keeps the same neurons (what llama.cpp's nanbeige, one weight set per
+    layer, can run). ``loops`` 1: unchanged."""
+    if loops <= 1:
+        return rows
+    per_pass = rows.reshape(loops, rows.shape[0] // loops, *rows.shape[1:])
+    one = per_pass.sum(dim=0) if reduce == "sum" else per_pass.mean(dim=0)
+    return one.repeat(loops, *([1] * (rows.dim() - 1)))
+
+
 def physical_keep(keep_visits: Tensor, num_layers: int) -> Tensor:
     """Union over visits: a physical neuron stays on disk when any visit keeps it."""
     loops = keep_visits.shape[0] // num_layers
@@ -270,13 +287,17 @@ def _aligned_within(counts: list[int], budget: int, align: int, inter: int) -> l
 @dataclass(frozen=True)
 class ShipRule:
     """How the structure that ships is read from mask logits: :func:`target_keep` with these
-    settings. ``ranked``: the controller's rule, the top logits whatever tau says."""
+    settings. ``ranked``: the controller's rule, the top logits whatever tau says. ``loops``
+    > 1: the visits share one structure (``phase_a.shared_visits``): it is chosen on the first
+    pass's rows and repeated for every pass (ranking all rows would split tied logits between
+    visits); the pruned fraction is the same over physical and virtual rows."""
 
     target: float
     align: int
     uniform: bool
     tau: float
     ranked: bool = False
+    loops: int = 1
 
     def keep(self, logits: Tensor) -> Tensor:
         return self.at(logits, self.target)
@@ -284,4 +305,7 @@ class ShipRule:
     def at(self, logits: Tensor, target: float) -> Tensor:
         """The structure at another sparsity (the controller's schedule)."""
         tau = None if self.ranked else self.tau
-        return target_keep(logits, tau, target, self.align, self.uniform)
+        if self.loops <= 1:
+            return target_keep(logits, tau, target, self.align, self.uniform)
+        first = logits[: logits.shape[0] // self.loops]
+        return target_keep(first, tau, target, self.align, self.uniform).repeat(self.loops, 1)

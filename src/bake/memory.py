@@ -54,10 +54,12 @@ class PeakTracker:
 
     def __init__(self) -> None:
         self.loaded: float | None = None
+        self.load_peak: float | None = None  # the process's peak up to the loaded model
         self.stages: dict[str, float | None] = {}
 
     def start(self) -> None:
         self.loaded = rss_mb()
+        self.load_peak = peak_mb()
         reset_peak()
 
     def stage_done(self, name: str) -> None:
@@ -70,6 +72,7 @@ class PeakTracker:
         ratio = peak / self.loaded if peak and self.loaded else None
         return {
             "rss_after_load_mb": self.loaded,
+            "load_peak_mb": self.load_peak,
             "peak_mb": peak,
             "peak_over_loaded": ratio,
             "stage_peaks_mb": dict(self.stages),

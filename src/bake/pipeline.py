@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -32,6 +33,8 @@ if TYPE_CHECKING:
 
     from bake.corpus import Corpus
     from bake.models.loader import LoadedModel
+    from bake.plan import Plan
+    from bake.vocab import Trim
 
 log = logging.getLogger("bake")
 
@@ -50,6 +53,11 @@ class Ctx:
     precision: str = "fp32"  # of every held-out evaluation of this bake
     seconds: dict = field(default_factory=dict)
     memory: PeakTracker = field(default_factory=PeakTracker)
+    texts: dict = field(default_factory=dict)  # split -> the chunks' text (bits per byte)
+    bpb: dict = field(default_factory=dict)  # split -> the backbone's bits per byte
+    trim: Trim | None = None  # the task-trimmed vocabulary the export writes (export.vocab)
+    ignored: list = field(default_factory=list)  # command-line keys nothing reads (bake.unused)
+    plan: Plan | None = None  # the memory plan made before loading (bake.budget)
 
     @property
     def cache(self) -> Path:
@@ -104,8 +112,9 @@ def resolve_precision(device: torch.device, setting: str) -> str:
     return "bf16" if device.type == "cuda" and setting in ("auto", "bf16") else "fp32"
 
 
-def bake(cfg, meta, run_dir: Path, hc) -> float:
-    """Run one bake; returns the exported model's held-out perplexity."""
+def bake(cfg, meta, run_dir: Path, hc, plan: Plan | None = None) -> float:
+    """Run one bake; returns the exported model's held-out perplexity. ``plan``: its memory
+    plan, logged and reported beside the measured peaks."""
     rank0 = rank_zero()
     record = open_record(run_dir, cfg, write=rank0)
     from bake.sweep import open_tracker
@@ -114,7 +123,10 @@ def bake(cfg, meta, run_dir: Path, hc) -> float:
     if rank0:
         record.update(mlflow_run_id=tracker.run_id)
         log.info("run directory: %s", run_dir)
-    ctx = Ctx(cfg, Path(run_dir), record, tracker)
+        if plan is not None:
+            log.info("%s", plan.line())
+    ctx = Ctx(cfg, Path(run_dir), record, tracker, plan=plan)
+    ctx.ignored = _ignored(cfg, hc)
     status = "FAILED"
     try:
         value = _stages(ctx)
@@ -130,6 +142,18 @@ def bake(cfg, meta, run_dir: Path, hc) -> float:
         if rank0:
             _quietly(record.update, status=status)
         _quietly(tracker.end, status)
+
+
+def _ignored(cfg, hc) -> list[dict]:
+    """Warn, one line each, about the command line's keys that nothing in this bake reads."""
+    from bake.unused import ignored
+
+    overrides = list(getattr(getattr(hc, "overrides", None), "task", None) or [])
+    found = ignored(cfg, overrides)
+    if rank_zero():
+        for u in found:
+            log.warning("%s", u.line())
+    return [u.as_dict() for u in found]
 
 
 def _quietly(fn, *args, **kwargs) -> None:
@@ -204,14 +228,15 @@ def structure(ctx: Ctx, logits: Tensor) -> export.Keep:
     """The structure the repairs work on: on the default path the one that ships (the target
     met after alignment); with ``export.align_before_repair=false``, the raw binarised mask,
     as in the reference (the export aligns it afterwards)."""
+    from bake.phases import stage_a
     from bake.phases.stage_a import ship_rule
 
-    a, stack = ctx.cfg.phase_a, ctx.model.stack
-    rule = ship_rule(ctx.cfg)
+    stack = ctx.model.stack
+    rule = ship_rule(ctx.cfg, stage_a.shared_loops(ctx))
     if rule is not None and rule.ranked:  # the controller's mask: the top logits, unaligned
-        alive = masks.target_keep(logits, None, rule.target, 1, False)
+        alive = masks.ShipRule(rule.target, 1, False, rule.tau, True, rule.loops).keep(logits)
     else:
-        alive = masks.alive(logits, a.tau)
+        alive = masks.alive(logits, stage_a.tau(ctx.cfg))
     visits = rule.keep(logits) if rule is not None else alive
     return export.compute_keep(visits, alive, stack.num_layers)
 
@@ -228,7 +253,10 @@ def _stages(ctx: Ctx) -> float:
     ctx.memory.start()  # peaks below are measured against the loaded model and corpus
     backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
     backbone_test = ctx.held_ppl(chunks=ctx.corpus.test) if ctx.corpus.test.numel() else None
-    log.info("baseline (full): held-out %.3f", backbone)
+    _backbone_bits(ctx)
+    log.info(
+        "baseline (full): held-out %.3f (%.4f bits/byte)", backbone, ctx.bpb.get("held", math.nan)
+    )
     ctx.tracker.metrics({"final/backbone_ppl": backbone, "final/backbone_test_ppl": backbone_test})
 
     def on_a(ev: dict) -> None:
@@ -243,20 +271,57 @@ def _stages(ctx: Ctx) -> float:
     keep = structure(ctx, selection.logits)
     ev = selection.evaluation
     if stage_a.ship_rule(cfg) is not None and ev is not None and not selection.fell_back:
-        masked = ev["held_ppl"]  # that evaluation scored this very structure
+        masked = ev["held_ppl"]  # that evaluation scored this very structure (and weights)
     else:
-        masked = ctx.held_ppl(keep.visits)
+        masked = ctx.held_ppl(keep.visits, result.ffn)
     ctx.seconds["phase_a"] = time.perf_counter() - t0
     ctx.memory.stage_done("phase_a")
     _log_structure(ctx, keep, masked, result.cached)
-    start = stage_b.Repaired(None, masked)
+    start = stage_b.Repaired(result.ffn, masked)  # Phase A's trained FFN, if it trained any
     learned = cfg.phase_a.method == "learned"
     key_a = stage_a.phase_a_key(ctx, for_resume=True) if learned else "baseline"
     ls = _timed(ctx, "least_squares", stage_b.least_squares, ctx, keep, start)
     final = _timed(ctx, "phase_b", stage_b.phase_b, ctx, keep, ls, key_a, on_b)
     _done(ctx, "phase_b")
+    if cfg.export.vocab == "task":
+        ctx.trim = _timed(ctx, "vocab", _vocab, ctx)
     out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)
     return finish(ctx, out)
+
+
+def _backbone_bits(ctx: Ctx) -> None:
+    """The chunks' text per split, and the backbone's bits per byte on it (:mod:`bake.bpb`)."""
+    from bake import bpb
+    from bake.artifact import scored_texts
+    from bake.corpus import bos_prefix
+
+    tok, stack = ctx.model.tokenizer, ctx.model.stack
+    prefix = bool(bos_prefix(tok))
+    for split, chunks in (("held", ctx.corpus.held), ("test", ctx.corpus.test)):
+        ctx.texts[split] = bpb.texts_of(chunks, tok, prefix)
+        if chunks.numel():
+            data = scored_texts(tok, ctx.texts[split], stack.lm.config)
+            ctx.bpb[split] = bpb.bits_per_byte(bpb.stack_nll(stack, data), data)
+
+
+def _vocab(ctx: Ctx) -> Trim:
+    """The task-trimmed vocabulary: tokens counted over every calibration document."""
+    from bake import vocab
+    from bake.corpus import calibration_texts
+
+    e, tok = ctx.cfg.export, ctx.model.tokenizer
+    counts = vocab.count_tokens(tok, calibration_texts(ctx.cfg.corpus, ctx.corpus))
+    trim = vocab.plan(tok, counts, e.vocab_min_count)
+    log.info(
+        "[V] vocabulary: %d of %d tokens kept (%d used >= %d times in the calibration "
+        "documents, %d merge parts; bytes, specials and added tokens)",
+        len(trim.kept),
+        trim.vocab_size,
+        trim.used,
+        e.vocab_min_count,
+        trim.closure,
+    )
+    return trim
 
 
 def _done(ctx: Ctx, phase: str) -> None:

@@ -15,10 +15,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from bake import export, masks
-from bake.artifact import LOADED_WITH
+from bake.artifact import LOADED_WITH, measure
 from bake.card import write_card
 from bake.errors import BakeError
 from bake.fsutil import staged
+from bake.phases import stage_a
 from bake.phases.common import rank_zero
 from bake.runstate import resolved
 from bake.stack import perplexity
@@ -140,9 +141,9 @@ def _shipped(ctx, out: Outcome) -> tuple[Keep, float]:
     cfg, stack = ctx.cfg, ctx.model.stack
     if cfg.export.align_before_repair:
         return out.keep, out.overlaid
-    a, e = cfg.phase_a, cfg.export
+    e = cfg.export
     keep = export.aligned_after(
-        out.selection.logits, a.tau, e.align, e.uniform_inter, stack.num_layers
+        out.selection.logits, stage_a.tau(cfg), e.align, e.uniform_inter, stack.num_layers
     )
     if torch.equal(keep.visits, out.keep.visits):
         return keep, out.overlaid
@@ -170,16 +171,33 @@ def _write_artifact(ctx, out: Outcome) -> dict:
     test = ctx.corpus.test
     with staged(ctx.run_dir, last="report.json") as stage:
         export.write_masks(stage / "masks.safetensors", keep, out.selection.logits)
-        fmt = export.write_model(stage / "model", stack, ctx.model.tokenizer, keep, out.final.ffn)
+        trim = ctx.trim
+        fmt = export.write_model(
+            stage / "model", stack, ctx.model.tokenizer, keep, out.final.ffn, trim
+        )
+        expected = shipped
+        if trim is not None:  # bake's own model over the kept tokens, on the same text
+            expected = _trimmed_reference(
+                stack, stage / "model", ctx.texts["held"], keep, out, trim
+            )
         del stack
         out.final.ffn = out.least_squares.ffn = None
         ctx.release_model()  # the check below loads the export: never two models at once
-        exported, exported_test = exported_ppls(
-            stage / "model", fmt, [ctx.corpus.held, test], device, batch, precision
+        measured = measure(
+            stage / "model",
+            fmt,
+            device,
+            {"held": ctx.corpus.held, "test": test},
+            ctx.texts,
+            batch,
+            precision,
+            trim is not None,
         )
+        exported, exported_test = measured["ppl_held"], measured["ppl_test"]
         if exported is None:
             raise BakeError("export: the held-out split is empty; nothing to measure it on")
-        check_export(exported, shipped, model_info["family"], precision)
+        check_export(exported, expected, model_info["family"], precision)
+        gguf_info = _gguf(ctx, stage)
         (stage / "config.yaml").write_text(OmegaConf.to_yaml(cfg, resolve=True))
         if cfg.tracking.plots:
             _plots(stage, out, keep, model_info["ffn_width"])
@@ -195,29 +213,81 @@ def _write_artifact(ctx, out: Outcome) -> dict:
             "exported": exported,
             "test_backbone": out.backbone_test,
             "test_exported": exported_test,
+            "tokens": "trimmed vocabulary: per token of its own tokenization" if trim else "source",
             "precision": precision,
             "device": str(device),
+        }
+        bits = {
+            "held_backbone": ctx.bpb.get("held"),
+            "test_backbone": ctx.bpb.get("test"),
+            "held_exported": measured["bpb_held"],
+            "test_exported": measured["bpb_test"],
         }
         report = {
             "model": model_info,
             "corpus": _corpus_info(ctx),
             "perplexity": ppl,
+            "bits_per_byte": bits,
+            "vocab": _vocab_info(trim, model_info),
             "phase_a": _phase_a_info(ctx, out),
             "least_squares": out.least_squares.info,
             "phase_b": out.final.info,
-            "export": _export_info(cfg, keep, fmt, model_info["family"]),
+            "export": _export_info(cfg, keep, fmt, model_info["family"]) | {"gguf": gguf_info},
             "parameters": {
                 "before": params_before,
                 "after": export.count_parameters(stage / "model"),
             },
             "seconds": dict(ctx.seconds),
             "memory": ctx.memory.summary(),
+            "memory_plan": ctx.plan.as_dict() if ctx.plan is not None else None,
             "artifact": str(ctx.run_dir / "model"),
+            "settings": {"ignored": list(ctx.ignored)},
             "config": resolved(cfg),
         }
         write_card(stage / "model", report)
         (stage / "report.json").write_text(json.dumps(report, indent=2, default=_jsonable) + "\n")
     return report
+
+
+def _gguf(ctx, stage: Path) -> dict | None:
+    """``model.gguf`` beside ``model/`` (``export.gguf``), by llama.cpp's converter."""
+    kind = str(ctx.cfg.export.gguf)
+    if kind == "none":
+        return None
+    from bake import gguf
+
+    info = gguf.for_run(ctx.cfg, stage, kind, stage / "model.gguf")
+    info["path"] = str(ctx.run_dir / "model.gguf")
+    mb = info["bytes"] / 1e6
+    log.info("[E] %s: %s, %s, %.1f MB", info["path"], info["architecture"], kind, mb)
+    return info
+
+
+def _trimmed_reference(stack, model_dir: Path, texts, keep, out: Outcome, trim) -> float:
+    """bake's perplexity of the held-out TEXT, tokenised by the trimmed tokenizer just written,
+    with the softmax over the kept tokens: what the trimmed artifact must reproduce."""
+    from transformers import AutoTokenizer
+
+    from bake import bpb
+    from bake.artifact import scored_texts
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    data = scored_texts(tokenizer, texts, stack.lm.config)
+    kept = torch.tensor(trim.kept, dtype=torch.long)
+    nll = bpb.stack_nll(stack, data, keep.visits.float(), out.final.ffn, kept)
+    return bpb.per_token(nll, data)
+
+
+def _vocab_info(trim, model_info: dict) -> dict:
+    if trim is None:
+        return {"mode": "full"}
+    return {
+        "mode": "task",
+        "kept": len(trim.kept),
+        "source": trim.vocab_size,
+        "used": trim.used,
+        "closure": trim.closure,
+    }
 
 
 def _corpus_info(ctx) -> dict:
@@ -237,7 +307,7 @@ def _phase_a_info(ctx, out: Outcome) -> dict:
     return {
         "method": str(a.method),
         "sparsity": sel.evaluation["sparsity"] if sel.evaluation else out.keep.pruned_ratio,
-        "raw_sparsity": masks.sparsity(masks.alive(sel.logits, a.tau)),
+        "raw_sparsity": masks.sparsity(masks.alive(sel.logits, stage_a.tau(ctx.cfg))),
         "target_sparsity": a.target_sparsity,
         "selected_step": sel.evaluation["step"] if sel.evaluation else None,
         "evaluation_made": sel.index is not None,
@@ -306,6 +376,14 @@ def _test(value: float | None, backbone: float | None = None) -> str:
     return f", test-PPL {value:.3f}{ratio}"
 
 
+def _bits(value: float | None, backbone: float | None = None) -> str:
+    """Test bits per byte, with the ratio to the backbone's when given."""
+    if value is None or not math.isfinite(value):
+        return ""
+    ratio = f" = {value / backbone:.3f} x" if backbone else ""
+    return f", test {value:.4f} bits/byte{ratio}"
+
+
 def print_summary(report: dict, tcfg) -> None:
     ppl, pa, ex, par = (
         report["perplexity"],
@@ -326,14 +404,22 @@ def print_summary(report: dict, tcfg) -> None:
     target = pa.get("target_sparsity") or 0.0
     met = "" if not target else (" (target met)" if ex.get("target_met") else " (target MISSED)")
     before, after = par["before"], par["after"]
+    bits, voc = report.get("bits_per_byte") or {}, report.get("vocab") or {}
+    trimmed = voc.get("mode") == "task"
+    # a trimmed export's perplexity is per token of another tokenization: no ratio to the source
+    exported_test = _test(ppl["test_exported"], None if trimmed else ppl["test_backbone"])
     lines = [
         "",
         "bake summary",
-        f"  backbone             held-PPL {ppl['backbone']:.3f}" + _test(ppl["test_backbone"]),
+        f"  backbone             held-PPL {ppl['backbone']:.3f}"
+        + _test(ppl["test_backbone"])
+        + _bits(bits.get("test_backbone")),
         f"  masked (Phase A)     held-PPL {ppl['masked']:.3f}   "
         f"{100 * pa['sparsity']:.2f}% pruned, {step}",
     ]
-    if ls.get("enabled"):
+    if ls.get("skipped"):
+        lines.append(f"  least squares        skipped ({ls['skipped']})")
+    elif ls.get("enabled"):
         verdict = "kept" if ls.get("improved") else "not kept"
         lines.append(f"  least squares        held-PPL {ls['held_ppl']:.3f}   {verdict}")
     if pb.get("enabled", True):
@@ -341,12 +427,26 @@ def print_summary(report: dict, tcfg) -> None:
         lines.append(f"  Phase B              held-PPL {ppl['overlaid']:.3f}   {verdict}")
     lines += [
         f"  exported             held-PPL {ppl['exported']:.3f}"
-        + _test(ppl["test_exported"], ppl["test_backbone"])
+        + exported_test
+        + _bits(bits.get("test_exported"), bits.get("test_backbone"))
         + f"   {ex.get('format', '?')} model",
         f"  FFN                  {100 * ex['pruned_ratio']:.2f}% of its neurons removed{met}: "
         f"{shape} (align {ex.get('align')})",
+        *(
+            [
+                f"  vocabulary           {voc['kept']} of {voc['source']} tokens kept "
+                f"(export.vocab=task; perplexities per token of the trimmed tokenizer)"
+            ]
+            if trimmed
+            else []
+        ),
         f"  parameters           {before / 1e6:.2f}M -> {after / 1e6:.2f}M "
         f"({100 * (1 - after / before):.1f}% smaller)",
+        *(
+            [f"  GGUF                 {g['path']} ({g['architecture']}, {g['type']})"]
+            if (g := ex.get("gguf"))
+            else []
+        ),
         f"  run directory        {Path(report['artifact']).parent}",
         f"  artifact             {report['artifact']}",
     ]

@@ -22,7 +22,15 @@ if TYPE_CHECKING:
 RECORD = "bake_run.json"
 LOCK = ".bake.lock"
 # Settings that do not change what a bake computes: they may differ on resume.
-_FREE = ("resume", "paths.", "tracking.", "trainer.progress_bar", "trainer.callbacks")
+_FREE = (
+    "resume",
+    "plan",
+    "paths.",
+    "tracking.",
+    "trainer.progress_bar",
+    "trainer.callbacks",
+    "trainer.memory_limit_gib",  # what the machine has, not what the bake computes
+)
 # Settings a resume may change while their phase has not finished: the learning rate (the
 # advised recovery from a diverged loss); Phase A's steps too without the controller, whose
 # schedule depends on them (Phase B's cosine always does).

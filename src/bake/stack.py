@@ -13,6 +13,7 @@ step cheap: no attention activations are kept).
 
 from __future__ import annotations
 
+import inspect
 import math
 from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
@@ -31,9 +32,18 @@ class Stack:
 
     The model's weights are shared, never copied; bake's phases hold only their own trainable
     tensors (mask logits, FFN copies) and pass them to :meth:`hidden`.
+
+    The layer's anatomy is read from its modules: Llama's (``input_layernorm`` before
+    attention, ``post_attention_layernorm`` before the FFN) or Gemma's four norms (the
+    attention output and the FFN output each pass a norm before the residual add); the FFN's
+    activation from the config (``hidden_act`` / ``hidden_activation``); per-layer RoPE bases
+    when the rotary module takes a layer type (Gemma 3); a sliding causal mask for every layer
+    whose attention window is shorter than the sequence (:func:`bake.models.family.Family`).
     """
 
     def __init__(self, lm, loops: int = 1, loop_norm: bool = True):
+        from bake.models import family as families
+
         self.lm = lm.requires_grad_(False)  # the backbone is frozen: no weight gradients, ever
         core = lm.model
         self.embed = core.embed_tokens
@@ -47,7 +57,20 @@ class Stack:
         self.inter = self.layers[0].mlp.gate_proj.out_features
         self.hidden_size = self.embed.weight.shape[1]
         self.vocab = self.head.weight.shape[0]
-        if getattr(lm.config, "_attn_implementation", "sdpa") != "sdpa":
+        config = lm.config
+        fam = families.find(getattr(config, "model_type", None)) or families.find("llama")
+        assert fam is not None
+        raw = config.to_dict()
+        self.act = fam.activation(raw)
+        self.windows = fam.layer_windows(raw, self.num_layers)
+        first = self.layers[0]
+        # Gemma's sandwich: norms on the attention and FFN outputs before the residual adds.
+        self.sandwich = hasattr(first, "pre_feedforward_layernorm")
+        types = getattr(config, "layer_types", None)
+        takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
+        self.rope_types: list[str] | None = list(types) if takes_type and types else None
+        self._masks: dict[tuple, list[Tensor | None]] = {}
+        if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
             lm.set_attn_implementation("sdpa")  # causal without a mask tensor
 
     @property
@@ -62,6 +85,67 @@ class Stack:
         mlp = self.layers[layer].mlp
         return mlp.gate_proj.weight, mlp.up_proj.weight, mlp.down_proj.weight
 
+    # -- the parts of a layer, shared by the forward, the repair and the statistics -----------
+    def positions(self, h: Tensor) -> tuple[list, list[Tensor | None]]:
+        """Per physical layer: the rotary (cos, sin) and the attention mask (None: causal)
+        for sequences shaped like ``h`` [batch, seq, hidden]."""
+        t = h.shape[1]
+        pos = torch.arange(t, device=h.device).unsqueeze(0)
+        if self.rope_types is None:
+            rope = self.rotary(h, pos)
+            ropes = [rope] * self.num_layers
+        else:
+            by_type = {k: self.rotary(h, pos, layer_type=k) for k in set(self.rope_types)}
+            ropes = [by_type[k] for k in self.rope_types]
+        return ropes, self.attention_masks(t, h.device)
+
+    def attention_masks(self, t: int, device: torch.device) -> list[Tensor | None]:
+        """Per physical layer, the boolean mask of a sliding layer whose window is shorter
+        than ``t`` (query q sees key k when k <= q and q - k < window, as transformers'
+        sliding mask), else None (full causal attention, SDPA's own)."""
+        key = (t, str(device))
+        if key not in self._masks:
+            q = torch.arange(t, device=device)[:, None]
+            k = torch.arange(t, device=device)[None, :]
+            made: dict[int, Tensor] = {}
+            out: list[Tensor | None] = []
+            for w in self.windows:
+                if w is None or w >= t:
+                    out.append(None)
+                    continue
+                if w not in made:
+                    made[w] = ((k <= q) & (q - k < w))[None, None]
+                out.append(made[w])
+            self._masks = {key: out}  # one sequence length at a time
+        return self._masks[key]
+
+    def attend(self, li: int, h: Tensor, ropes: list, amasks: list) -> Tensor:
+        """The residual stream after layer ``li``'s attention block (no gradient: frozen)."""
+        layer = self.layers[li]
+        with torch.no_grad():
+            a = layer.self_attn(
+                layer.input_layernorm(h), position_embeddings=ropes[li], attention_mask=amasks[li]
+            )[0]
+            if self.sandwich:
+                a = layer.post_attention_layernorm(a)
+        return h + a
+
+    def ffn_input(self, li: int, h: Tensor) -> Tensor:
+        """The normed residual stream the FFN of layer ``li`` reads."""
+        layer = self.layers[li]
+        return (
+            layer.pre_feedforward_layernorm if self.sandwich else layer.post_attention_layernorm
+        )(h)
+
+    def ffn_output(self, li: int, y: Tensor) -> Tensor:
+        """What the FFN adds to the residual stream: ``down_proj``'s output, normed by the
+        post-feedforward norm on Gemma."""
+        return self.layers[li].post_feedforward_layernorm(y) if self.sandwich else y
+
+    def activations(self, x: Tensor, wg: Tensor, wu: Tensor) -> Tensor:
+        """The input of ``down_proj``: act(gate_proj x) * up_proj x (no gradient, in place)."""
+        return activate(self.act, F.linear(x, wg), inplace=True).mul_(F.linear(x, wu))
+
     def _ffn(
         self,
         li: int,
@@ -73,13 +157,13 @@ class Stack:
     ) -> Tensor:
         wg, wu, wd = ffn[li] if ffn is not None and li in ffn else self.ffn_weights(li)
         if observe is not None or not torch.is_grad_enabled():  # in place: no backward
-            act = F.silu(F.linear(x, wg), inplace=True).mul_(F.linear(x, wu))
+            act = self.activations(x, wg, wu)
             if observe is not None:
                 observe(v, act)
             return F.linear(act if gate is None else act.mul_(gate), wd)
         if gate is None:
             gate = torch.ones((), dtype=x.dtype, device=x.device)
-        return _GatedFFN.apply(x, wg, wu, wd, gate)
+        return _GatedFFN.apply(x, wg, wu, wd, gate, self.act)
 
     def hidden(
         self,
@@ -96,22 +180,16 @@ class Stack:
             ffn: trained (gate, up, down) weights replacing physical layers' FFN.
             observe: called with (virtual layer, FFN activations before the gate).
         """
-        b, t = ids.shape
         with torch.no_grad():
             h = self.embed(ids)
-            pos = torch.arange(t, device=ids.device).unsqueeze(0)
-            rope = self.rotary(h, pos)
+            ropes, amasks = self.positions(h)
         last = self.num_virtual - 1
         for v in range(self.num_virtual):
             li = v % self.num_layers
-            layer = self.layers[li]
-            with torch.no_grad():
-                attn = layer.self_attn(
-                    layer.input_layernorm(h), position_embeddings=rope, attention_mask=None
-                )[0]
-            h = h + attn
+            h = self.attend(li, h, ropes, amasks)
             row = None if gates is None else gates[v]
-            h = h + self._ffn(li, layer.post_attention_layernorm(h), row, ffn, observe, v)
+            y = self._ffn(li, self.ffn_input(li, h), row, ffn, observe, v)
+            h = h + self.ffn_output(li, y)
             if self.loop_norm and li == self.num_layers - 1 and v < last:
                 h = self.norm(h)
         return self.norm(h)
@@ -143,18 +221,46 @@ class Stack:
         return _HeadDistill.apply(rows, teacher, self.head.weight, targets, float(alpha))
 
 
+# The FFN activations bake reproduces: name -> (forward, d act / d input given the upstream).
+def _gelu(approximate: str):
+    def fwd(x: Tensor, inplace: bool = False) -> Tensor:
+        return F.gelu(x, approximate=approximate)
+
+    def bwd(grad: Tensor, x: Tensor) -> Tensor:
+        return torch.ops.aten.gelu_backward(grad, x, approximate=approximate)
+
+    return fwd, bwd
+
+
+ACTIVATIONS: dict[str, tuple[Callable, Callable]] = {
+    "silu": (lambda x, inplace=False: F.silu(x, inplace=inplace), torch.ops.aten.silu_backward),
+    "gelu": _gelu("none"),
+    "gelu_pytorch_tanh": _gelu("tanh"),
+}
+ACTIVATIONS["swish"] = ACTIVATIONS["silu"]
+ACTIVATIONS["gelu_new"] = ACTIVATIONS["gelu_pytorch_tanh"]  # the same tanh approximation
+
+
+def activate(name: str, x: Tensor, inplace: bool = False) -> Tensor:
+    """The FFN activation ``name`` of ``x``."""
+    return ACTIVATIONS[name][0](x, inplace=inplace)
+
+
 class _GatedFFN(torch.autograd.Function):
-    """down(silu(gate_proj x) * up_proj x * gate): the FFN with its neuron gate, keeping only the
+    """down(act(gate_proj x) * up_proj x * gate): the FFN with its neuron gate, keeping only the
     two pre-activations for the backward (autograd would keep four tensors of that size per
     layer). The weights get gradients only when they require them (Phase B's copies)."""
 
     @staticmethod
-    def forward(ctx, x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, gate: Tensor) -> Tensor:
+    def forward(
+        ctx, x: Tensor, wg: Tensor, wu: Tensor, wd: Tensor, gate: Tensor, act: str = "silu"
+    ) -> Tensor:
         g, u = F.linear(x, wg), F.linear(x, wu)
-        a = F.silu(g).mul_(u).mul_(gate)
+        a = activate(act, g).mul_(u).mul_(gate)
         out = F.linear(a, wd)
         weights_grad = wg.requires_grad or wu.requires_grad or wd.requires_grad
         ctx.save_for_backward(g, u, gate, wg, wu, wd, x if weights_grad else None)
+        ctx.act = act
         return out
 
     @staticmethod
@@ -163,21 +269,22 @@ class _GatedFFN(torch.autograd.Function):
         needs = ctx.needs_input_grad
         d2 = dout.reshape(-1, dout.shape[-1])
         da = d2 @ wd  # d(a * gate)
-        silu = F.silu(g).reshape(da.shape)
-        act = silu * u.reshape(da.shape)
+        fwd, bwd = ACTIVATIONS[ctx.act]
+        actg = fwd(g).reshape(da.shape)
+        act = actg * u.reshape(da.shape)
         dgate = wdgrad = None
         if needs[4]:
             dgate = (da * act).sum(0) if gate.dim() else (da * act).sum()
         if needs[3]:
             wdgrad = d2.T @ (act * gate)
         da.mul_(gate)
-        du = da * silu
-        dg = torch.ops.aten.silu_backward(da.mul_(u.reshape(da.shape)), g.reshape(da.shape))
+        du = da * actg
+        dg = bwd(da.mul_(u.reshape(da.shape)), g.reshape(da.shape))
         dx = (dg @ wg).add_(du @ wu).view(*g.shape[:-1], wg.shape[1])
         x2 = None if x is None else x.reshape(-1, x.shape[-1])
         dwg = dg.T @ x2 if needs[1] else None
         dwu = du.T @ x2 if needs[2] else None
-        return (dx if needs[0] else None), dwg, dwu, wdgrad, dgate
+        return (dx if needs[0] else None), dwg, dwu, wdgrad, dgate, None
 
 
 def _head_pass(rows: Tensor, weight: Tensor, targets: Tensor, grad: bool):

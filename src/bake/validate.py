@@ -32,28 +32,15 @@ def _ranges(cfg, problems: list[str]) -> None:
         0 <= a.target_sparsity < 1,
         "phase_a.target_sparsity",
         a.target_sparsity,
-        "must be in [0, 1): a fraction of FFN neurons (0 = lowest held-out perplexity)",
+        "must be in [0, 1): a fraction of FFN neurons (0: none removed, or with the "
+        "reference's L1 pace the lowest held-out perplexity)",
     )
     need(a.lr > 0 and math.isfinite(a.lr), "phase_a.lr", a.lr, "must be a finite number > 0")
     need(0 <= a.ramp <= 1, "phase_a.ramp", a.ramp, "must be in [0, 1]: a fraction of the steps")
-    if a.controller == "schedule":
-        need(
-            a.target_sparsity > 0,
-            "phase_a.target_sparsity",
-            a.target_sparsity,
-            "must be > 0 with phase_a.controller=schedule (the sparsity it steers to)",
-        )
     for key in ("l1_init", "l1_step", "l1_mult"):
         value = a[key]
         need(value >= 0 and math.isfinite(value), f"phase_a.{key}", value, "must be >= 0")
     need(math.isfinite(a.init_logit), "phase_a.init_logit", a.init_logit, "must be finite")
-    if a.method != "learned":
-        need(
-            a.target_sparsity > 0,
-            "phase_a.target_sparsity",
-            a.target_sparsity,
-            f"must be > 0 with phase_a.method={a.method} (the fraction of neurons it drops)",
-        )
     need(b.steps >= 1, "phase_b.steps", b.steps, "must be >= 1 (phase_b.enabled=false skips it)")
     need(b.eval_every >= 1, "phase_b.eval_every", b.eval_every, "must be >= 1")
     need(b.lr > 0 and math.isfinite(b.lr), "phase_b.lr", b.lr, "must be a finite number > 0")
@@ -65,7 +52,19 @@ def _ranges(cfg, problems: list[str]) -> None:
         b.ls_ridge,
         "must be a finite number > 0 (a fraction of the Gram matrix's mean diagonal)",
     )
+    need(
+        0 <= b.ls_drift <= 1,
+        "phase_b.ls_drift",
+        b.ls_drift,
+        "must be in [0, 1]: the fraction of the drift each layer's repair undoes",
+    )
     need(e.align >= 0, "export.align", e.align, "must be >= 0 (0 or 1: no alignment)")
+    need(
+        e.vocab_min_count >= 1,
+        "export.vocab_min_count",
+        e.vocab_min_count,
+        "must be >= 1 (occurrences in the calibration documents)",
+    )
     need(c.chunk_len >= 2, "corpus.chunk_len", c.chunk_len, "must be >= 2 (one prediction)")
     need(c.held_chunks >= 1, "corpus.held_chunks", c.held_chunks, "must be >= 1")
     need(c.test_chunks >= 0, "corpus.test_chunks", c.test_chunks, "must be >= 0 (0: no test set)")
@@ -104,7 +103,8 @@ def _sources(cfg, problems: list[str]) -> None:
 
 def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
     b, c = cfg.phase_b, cfg.corpus
-    if not 1 <= b.layers <= meta.num_layers:
+    # with phase_b.all_layers the count is not read; a count below 1 is wrong either way
+    if b.layers < 1 or (not b.all_layers and b.layers > meta.num_layers):
         problems.append(
             f"phase_b.layers={b.layers}: must be in [1, {meta.num_layers}] "
             f"(the model has {meta.num_layers} layers)"
@@ -114,14 +114,10 @@ def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
             f"corpus.chunk_len={c.chunk_len}: above the model's context of "
             f"{meta.max_positions} tokens"
         )
-    if meta.sliding_window and c.chunk_len > meta.sliding_window:
-        problems.append(
-            f"corpus.chunk_len={c.chunk_len}: above the model's sliding attention window of "
-            f"{meta.sliding_window} tokens (bake's forward attends over the whole chunk)"
-        )
     if meta.loops < 1:
         problems.append(f"model.loops={meta.loops}: must be >= 1")
     _target(cfg, meta, problems)
+    _gguf(cfg, meta, problems)
 
 
 def _target(cfg, meta: ModelMeta, problems: list[str]) -> None:
@@ -139,6 +135,41 @@ def _target(cfg, meta: ModelMeta, problems: list[str]) -> None:
             f"neurons, {100 * (1 - narrowest / inter):.1f}% pruned at most); lower the target "
             f"or export.align"
         )
+
+
+def _gguf(cfg, meta: ModelMeta, problems: list[str]) -> None:
+    """What a GGUF file can hold, known before anything is trained (:mod:`bake.gguf`)."""
+    from bake import gguf, llamacpp
+
+    e, kind = cfg.export, str(cfg.export.gguf)
+    if kind == "none":
+        return
+    fmt = "looped" if meta.loops > 1 else ("stock" if e.uniform_inter else "per_layer")
+    window = meta.sliding_window
+    problems += gguf.plan_problems(
+        kind, fmt, meta.model_type, window, bool(cfg.phase_a.shared_visits), e.uniform_inter
+    )
+    if str(cfg.model.kind) == "tiny":
+        problems.append(
+            f"export.gguf={kind}: model={cfg.model.name} has a byte tokenizer without merges, "
+            f"which llama.cpp refuses; set export.gguf=none"
+        )
+    if Path(meta.source).is_dir():  # a Hugging Face directory: its family fields
+        from bake.models.meta import read_config_json
+
+        problems += gguf.config_problems(kind, fmt, read_config_json(Path(meta.source)))
+    if kind in gguf.KQUANTS and (e.align < gguf.KQUANT_ROW or e.align % gguf.KQUANT_ROW):
+        problems.append(
+            f"export.gguf={kind}: k-quants need FFN widths that are multiples of "
+            f"{gguf.KQUANT_ROW}, and export.align={e.align} does not make them so; set "
+            f"export.align={gguf.KQUANT_ROW}, or use export.gguf=q8_0"
+        )
+    try:
+        llamacpp.source_root()
+        if kind in gguf.KQUANTS:
+            llamacpp.need("llama-quantize")
+    except BakeError as exc:
+        problems.append(f"export.gguf={kind}: {exc}")
 
 
 ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
@@ -231,7 +262,7 @@ def validate(cfg, multirun: bool = False) -> ModelMeta:
     _sources(cfg, problems)
     meta = None
     try:
-        meta = read_meta(cfg.model)
+        meta = read_meta(cfg.model, cfg.paths.cache)
     except BakeError as exc:
         problems.append(str(exc))
     if meta is not None:

@@ -1,14 +1,15 @@
 """The families bake reproduces exactly: one registry entry each, and what they all share.
 
 bake runs a model with its own forward (:class:`bake.stack.Stack`: the layer's attention module,
-its norms, and a fused ``silu(gate) * up`` FFN) and exports it as the same transformers class
+its norms, and a fused ``act(gate) * up`` FFN) and exports it as the same transformers class
 with narrower FFNs. That is exact only for families whose decoder layer is nothing more, so a
 family is accepted only through an entry here, which states:
 
 - the ``model_type`` it answers to, and the GGUF architecture transformers converts to it;
 - the config fields whose values the Stack cannot reproduce (refused when the metadata is read
   and again when the model is loaded, naming the family and the field);
-- its attention window and loop depth, as config.json states them;
+- its FFN activation, each layer's attention window and its loop depth, as config.json states
+  them;
 - the names of its FFN weights, how its export's config.json is sized and how
   :func:`bake.load_baked` builds its skeleton (shared defaults below);
 - its own reader, for a checkpoint transformers cannot read (Nanbeige4.2).
@@ -56,18 +57,38 @@ def falsy(value: Any) -> bool:
     return not value
 
 
-SILU = Rule(
-    "hidden_act",
-    lambda v: v in ("silu", "swish"),
-    "hidden_act=silu",
-    "its fused FFN computes silu(gate) * up",
-    default="silu",
-)
+# The FFN activations bake's fused FFN computes (bake.stack.ACTIVATIONS, with their backward).
+ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
+
+
+def activation_rule(field: str = "hidden_act", default: str = "silu") -> Rule:
+    """The FFN activation, read from ``field``, must be one the fused FFN computes."""
+    return Rule(
+        field,
+        lambda v: v in ACTIVATIONS,
+        f"{field} in ({', '.join(ACTIVATIONS)})",
+        "its fused FFN computes act(gate) * up for these",
+        default=default,
+    )
+
+
+SILU = activation_rule()  # Llama-style configs: hidden_act, silu when omitted
+
+
+def hidden_act(cfg: dict) -> str:
+    """The FFN activation of a Llama-style config.json."""
+    return str(cfg.get("hidden_act") or "silu")
 
 
 def no_window(cfg: dict) -> int | None:
     """Full causal attention in every layer."""
     return None
+
+
+def types_windows(cfg: dict, n: int, window: int | None) -> list[int | None]:
+    """Per-layer windows from ``layer_types``: ``window`` on the sliding layers."""
+    types = cfg.get("layer_types") or ["full_attention"] * n
+    return [window if t == "sliding_attention" else None for t in types[:n]]
 
 
 def config_loops(cfg: dict) -> int:
@@ -125,7 +146,11 @@ class Family:
     label: str  # how errors, the README and model cards name it
     rules: tuple[Rule, ...] = (SILU,)
     gguf_arch: str | None = None  # the GGUF architecture transformers converts to this family
-    window: Callable[[dict], int | None] = no_window  # attention window from config.json
+    window: Callable[[dict], int | None] = no_window  # the sliding layers' window, if any
+    # Per layer: the window of a sliding layer, None for full attention (default: ``window``
+    # on every layer).
+    windows: Callable[[dict, int], list[int | None]] | None = None
+    activation: Callable[[dict], str] = hidden_act  # the FFN activation from config.json
     loops: Callable[[dict], int] = config_loops  # loop depth from config.json
     read: Reader | None = None  # its own reader; None: transformers reads it
     ffn: tuple[str, str, str] = ("mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -141,6 +166,12 @@ class Family:
         problems = self.problems(cfg)
         if problems:
             raise BakeError(f"{where}: " + "; ".join(problems))
+
+    def layer_windows(self, cfg: dict, n: int) -> list[int | None]:
+        """The attention window of each of the ``n`` layers (None: full causal attention)."""
+        if self.windows is not None:
+            return self.windows(cfg, n)
+        return [self.window(cfg)] * n
 
     def ffn_names(self, layer: int) -> tuple[str, str, str]:
         """State-dict names of layer ``layer``'s gate, up and down weights."""

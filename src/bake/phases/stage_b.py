@@ -48,21 +48,33 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
     b = ctx.cfg.phase_b
     if not b.least_squares:
         return Repaired(start.ffn, start.ppl, {"enabled": False})
+    if bool(keep.visits.all()):  # no neuron removed: nothing to reconstruct (the dense row)
+        log.info("[LS] least-squares repair: skipped, no neuron was removed")
+        return Repaired(start.ffn, start.ppl, {"enabled": True, "skipped": "nothing pruned"})
     t0 = time.perf_counter()
     stack = ctx.model.stack
     path = ctx.run_dir / "checkpoints" / "least_squares.safetensors"
     mask_key = digest(keep.visits.to(torch.uint8).flatten().tolist())
     downs = load_file(path) if path.is_file() else {}
+    if stack.sandwich and b.ls_drift > 0:
+        log.warning(
+            "phase_b.ls_drift=%s is not used by this model's layers (a norm after the FFN, as "
+            "Gemma's): each layer's repair reconstructs the layer itself (drift 0)",
+            b.ls_drift,
+        )
     if downs.get("mask") is None or digest(downs["mask"].tolist()) != mask_key:
         calib = ctx.corpus.calib[: b.ls_chunks]
-        ffn = repair.least_squares(stack, calib, keep.visits, keep.physical, b.ls_ridge)
+        ffn = repair.least_squares(
+            stack, calib, keep.visits, keep.physical, b.ls_ridge, drift=b.ls_drift, base=start.ffn
+        )
         downs = {f"down.{li}": w[2].cpu().contiguous() for li, w in ffn.items()}
         downs["mask"] = keep.visits.to(torch.uint8).flatten()
         _save_downs(path, downs)
-    ffn = {
-        li: (*stack.ffn_weights(li)[:2], downs[f"down.{li}"].to(stack.device))
-        for li in range(stack.num_layers)
-    }
+    base = start.ffn or {}  # gate and up stay those the repair started from
+    ffn = {}
+    for li in range(stack.num_layers):
+        wg, wu = (base.get(li) or stack.ffn_weights(li))[:2]
+        ffn[li] = (wg, wu, downs[f"down.{li}"].to(stack.device))
     ppl = ctx.held_ppl(keep.visits, ffn)
     kept = masks.select_repair([ppl], start.ppl) is not None
     info = {

@@ -1,11 +1,13 @@
 """Qwen3: Qwen2's layer with RMS norms on the queries and keys (``q_norm``/``k_norm``) inside the
 attention module, which the Stack calls and the export writes unchanged; optional attention
-biases likewise. Its sliding window follows Qwen2's rule.
+biases likewise. Its sliding layers follow Qwen2's rule.
 """
 
 from __future__ import annotations
 
-from bake.models.families.qwen2 import window
+from bake.models.families.qwen2 import window, windows
 from bake.models.family import Family, register
 
-FAMILY = register(Family(model_type="qwen3", label="Qwen3", gguf_arch="qwen3", window=window))
+FAMILY = register(
+    Family(model_type="qwen3", label="Qwen3", gguf_arch="qwen3", window=window, windows=windows)
+)
