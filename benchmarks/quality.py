@@ -4,7 +4,7 @@ held-out choice saw), and on Python text outside the task corpus against Wanda-s
 least-squares repair at the same widths.
 
     python -m benchmarks.quality                  # every table; resumes row by row
-    python -m benchmarks.quality --tables main    # main, ablation, corpus (comma-separated)
+    python -m benchmarks.quality --tables main    # main, budget, ablation, corpus (comma-separated)
     python -m benchmarks.quality --list           # the rows and whether each is done
 
 Rows are written one JSON each under outputs/bench/quality/ and skipped when present, so an
@@ -15,6 +15,11 @@ tables:
   (``phase_a=reference phase_b=reference export=reference``, with ``phase_a.steps`` raised to
   REFERENCE_STEPS so that its L1 pace can reach 40%; the step of the evaluation it selects is
   listed), and the baselines (Wanda-sp, FLAP) with the default's repairs and export.
+  A dense row (``phase_a.target_sparsity=0``: the same pipeline and budget, no neuron removed)
+  is what every cost divides by: cost = the row's test perplexity / the dense row's, on the
+  test split and outside the corpus.
+- budget: at 20%, every method with the same 240 gradient steps over the same chunks (a
+  training-free Phase A gives its steps to Phase B), against the dense row of that budget.
 - ablation: the default at 20% (its main row) with one part changed at a time.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
@@ -37,6 +42,24 @@ REFERENCE = ["phase_a=reference", "phase_b=reference", "export=reference"]
 REFERENCE_STEPS = 720  # the reference's L1 pace reaches about 40% here (one Phase A, 4 targets)
 BASELINES = {"wanda_sp": ["phase_a=wanda_sp"], "flap": ["phase_a=flap"]}
 TARGETS = (0.1, 0.2, 0.3, 0.4)
+# A learned Phase A that knows it will be repaired: gates read by rank at the target while every
+# layer's FFN trains with them (open gates: the forward is the dense model), from FLAP's ranking.
+LEARNED = [
+    "phase_a=reference",
+    "phase_a.gate=open",
+    "phase_a.init=flap",
+    "phase_a.train_ffn=true",
+    "phase_a.lr=0.05",
+    "phase_a.steps=120",
+]
+# Equal budgets at 20%: the same 240 gradient steps over the same chunks; a training-free Phase
+# A gives its steps to Phase B.
+BUDGET = {
+    "dense (nothing removed), Phase B 240": (0.0, ["phase_b.steps=240"]),
+    "FLAP + least squares, Phase B 240": (0.2, ["phase_a=flap", "phase_b.steps=240"]),
+    "Wanda-sp + least squares, Phase B 240": (0.2, ["phase_a=wanda_sp", "phase_b.steps=240"]),
+    "learned Phase A 120 (FFN trained), Phase B 120": (0.2, LEARNED),
+}
 ABLATION = {
     "learned mask (phase_a=scheduled: controller, Wanda-initialised)": ["phase_a=scheduled"],
     "no least-squares repair": ["phase_b.least_squares=false"],
@@ -88,6 +111,21 @@ def rows() -> dict[str, dict]:
                 "target": t,
                 "args": args,
             }
+    out["main-dense-0"] = {  # the denominator of every cost: the same pipeline, nothing removed
+        "table": "main",
+        "setting": "dense (target 0, the default's budget)",
+        "target": 0.0,
+        "args": [],
+        "compare": False,
+    }
+    for i, (label, (t, args)) in enumerate(BUDGET.items()):
+        out[f"budget-{i}"] = {
+            "table": "budget",
+            "setting": label,
+            "target": t,
+            "args": args,
+            "compare": False,
+        }
     for i, (label, args) in enumerate(ABLATION.items()):
         out[f"ablation-{i}-20"] = {
             "table": "ablation",
@@ -213,6 +251,18 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     exported_outside = perplexity(*artifact_nll(artifact, outside, 4, "fp32"))
     del artifact
     stack = model.stack
+    outside_key = ("outside", rep["model"]["key"])
+    if outside_key not in _STATS:  # the unpruned model on that text: the same for every row
+        _STATS[outside_key] = perplexity(*held_nll(stack, outside, None, None, 4, "fp32"))
+    extra = {
+        "exported_outside": exported_outside,
+        "backbone_outside": _STATS[outside_key],
+        "wanda_ls_test": math.nan,
+        "wanda_ls_outside": math.nan,
+        "torch_threads": torch.get_num_threads(),
+    }
+    if not result.get("compare", True):  # a dense or equal-budget row: no width to compare at
+        return extra
     widths = rep["export"]["kept_per_visit"]
     key = (rep["model"]["key"], corpus.content_key)
     if key not in _STATS:  # one corpus's statistics serve every row that bakes on it
@@ -223,20 +273,14 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     ffn = repair.least_squares(stack, corpus.calib[:96], keep, physical)
     gates = keep.float()
 
-    outside_key = ("outside", rep["model"]["key"])
-    if outside_key not in _STATS:  # the unpruned model on that text: the same for every row
-        _STATS[outside_key] = perplexity(*held_nll(stack, outside, None, None, 4, "fp32"))
-
     def ppl(chunks) -> float:
         return perplexity(*held_nll(stack, chunks, gates, ffn, 4, "fp32"))
 
     return {
-        "exported_outside": exported_outside,
-        "backbone_outside": _STATS[outside_key],
+        **extra,
         "wanda_ls_test": ppl(corpus.test) if corpus.test.numel() else math.nan,
         "wanda_ls_outside": ppl(outside),
         "wanda_ls_widths": widths,
-        "torch_threads": torch.get_num_threads(),
     }
 
 
@@ -262,19 +306,34 @@ def run(names: list[str], cache: Path, adopt: dict[str, Path] | None = None) -> 
         print(line(result), flush=True)
 
 
-def line(r: dict) -> str:
+# The dense row each table's costs divide by: the same pipeline and budget, nothing removed.
+DENSE = {"main": "main-dense-0", "ablation": "main-dense-0", "budget": "budget-0"}
+
+
+def line(r: dict, dense: dict | None = None) -> str:
+    """One row: exported sparsity, test perplexity and its ratio to the backbone, the cost
+    (test perplexity / the dense row's) on the test split and outside the corpus, test bits per
+    byte, Wanda-sp + least squares at the same widths, wall time, peak memory."""
     rep, ex = r["report"], r["extra"]
     ppl = rep["perplexity"]
     back_test = ppl.get("test_backbone") or math.nan
     pruned, peak = rep["export"]["pruned_ratio"], rep["memory"].get("peak_mb") or math.nan
+    bits = (rep.get("bits_per_byte") or {}).get("test_exported") or math.nan
+    cost = cost_out = math.nan
+    if dense is not None:
+        cost = ppl["test_exported"] / dense["report"]["perplexity"]["test_exported"]
+        cost_out = ex["exported_outside"] / dense["extra"]["exported_outside"]
     cells = [
-        f"{r['setting']:<44}",
+        f"{r['setting']:<48}",
         f"{100 * r['target']:>5.0f}%",
         f"{100 * pruned:>6.2f}%",
         f"{ppl['test_exported']:>8.3f}",
         f"{ppl['test_exported'] / back_test:>6.3f}",
-        f"{ex['wanda_ls_test']:>8.3f}",
+        f"{cost:>6.3f}",
         f"{ex['exported_outside']:>8.3f}",
+        f"{cost_out:>6.3f}",
+        f"{bits:>7.4f}",
+        f"{ex['wanda_ls_test']:>8.3f}",
         f"{ex['wanda_ls_outside']:>8.3f}",
         f"{r['wall_s'] / 60:>6.1f}",
         f"{peak / 1024:>5.2f}",
@@ -285,23 +344,26 @@ def line(r: dict) -> str:
 def tables() -> str:
     done = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
     head = (
-        f"{'setting':<44} {'target':>6} {'pruned':>7} {'test':>8} {'ratio':>6} "
-        f"{'W+LS':>8} {'outside':>8} {'W+LS out':>8} {'min':>6} {'GiB':>5}"
+        f"{'setting':<48} {'target':>6} {'pruned':>7} {'test':>8} {'/back':>6} {'cost':>6} "
+        f"{'outside':>8} {'cost':>6} {'bits/B':>7} {'W+LS':>8} {'W+LS out':>8} {'min':>6} "
+        f"{'GiB':>5}"
     )
     out = []
-    for table in ("main", "ablation", "corpus"):
+    for table in ("main", "budget", "ablation", "corpus"):
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
             got.insert(0, done["main-default-20"])  # the default itself, measured once
+        dense = done.get(DENSE.get(table, ""))
         if got:
             out += ["", f"[{table}]", head]
-            out += [line(r) for r in sorted(got, key=lambda r: (r["target"], r["setting"]))]
+            ordered = sorted(got, key=lambda r: (r["target"], r["setting"]))
+            out += [line(r, dense) for r in ordered]
     return "\n".join(out)
 
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tables", default="main,ablation,corpus")
+    p.add_argument("--tables", default="main,budget,ablation,corpus")
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")
