@@ -20,6 +20,9 @@ tables:
   test split and outside the corpus.
 - budget: at 20%, every method with the same 240 gradient steps over the same chunks (a
   training-free Phase A gives its steps to Phase B), against the dense row of that budget.
+- vocab: the default at 20% with `export.vocab=task` against the same bake with every token
+  (`main-default-20`): bits per byte, parameters, forward and greedy generation speed.
+- gemma3: `model=gemma3` at 20% and 30%, its dense row and Wanda-sp with the same repairs.
 - ablation: the default at 20% (its main row) with one part changed at a time.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
@@ -59,6 +62,10 @@ BUDGET = {
     "FLAP + least squares, Phase B 240": (0.2, ["phase_a=flap", "phase_b.steps=240"]),
     "Wanda-sp + least squares, Phase B 240": (0.2, ["phase_a=wanda_sp", "phase_b.steps=240"]),
     "learned Phase A 120 (FFN trained), Phase B 120": (0.2, LEARNED),
+    "learned Phase A 120 (FFN trained), Phase B 120 at lr 3e-5": (
+        0.2,
+        [*LEARNED, "phase_b.lr=3e-5"],
+    ),
 }
 ABLATION = {
     "learned mask (phase_a=scheduled: controller, Wanda-initialised)": ["phase_a=scheduled"],
@@ -126,6 +133,31 @@ def rows() -> dict[str, dict]:
             "args": args,
             "compare": False,
         }
+    out["vocab-task-20"] = {  # against main-default-20 (export.vocab=full, the same bake)
+        "table": "vocab",
+        "setting": "default, export.vocab=task",
+        "target": 0.2,
+        "args": ["export.vocab=task"],
+        "compare": False,
+        "speed": "main-default-20",
+    }
+    out["gemma3-vocab-20"] = {
+        "table": "gemma3",
+        "setting": "model=gemma3, default, export.vocab=task",
+        "target": 0.2,
+        "args": ["model=gemma3", "export.vocab=task"],
+        "compare": False,
+        "speed": "gemma3-default-20",
+    }
+    for name, args in {"default": [], "dense": [], "wanda_sp": ["phase_a=wanda_sp"]}.items():
+        for t in (0.0,) if name == "dense" else (0.2, 0.3):
+            out[f"gemma3-{name}-{int(100 * t)}"] = {
+                "table": "gemma3",
+                "setting": f"model=gemma3, {name}",
+                "target": t,
+                "args": ["model=gemma3", *args],
+                "compare": False,
+            }
     for i, (label, args) in enumerate(ABLATION.items()):
         out[f"ablation-{i}-20"] = {
             "table": "ablation",
@@ -261,6 +293,11 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
         "wanda_ls_outside": math.nan,
         "torch_threads": torch.get_num_threads(),
     }
+    if result.get("speed"):
+        extra["speed"] = speed(Path(result["run"]) / "model")
+        full = OUT / f"{result['speed']}.json"  # the same bake exported with every token
+        if full.is_file():
+            extra["speed_full"] = speed(Path(json.loads(full.read_text())["run"]) / "model")
     if not result.get("compare", True):  # a dense or equal-budget row: no width to compare at
         return extra
     widths = rep["export"]["kept_per_visit"]
@@ -281,6 +318,37 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
         "wanda_ls_test": ppl(corpus.test) if corpus.test.numel() else math.nan,
         "wanda_ls_outside": ppl(outside),
         "wanda_ls_widths": widths,
+    }
+
+
+def speed(model_dir: Path, repeats: int = 3) -> dict:
+    """The exported model loaded with stock transformers: seconds of one forward of a batch of
+    4 chunks of 256 tokens (ids below 1000: the time does not depend on them), and greedy
+    generation's tokens per second (64 new tokens after a 32-token prompt); medians."""
+    import statistics
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = "import os\nimport sys\n\n\ndef main(argv):\n    parser = argparse.ArgumentParser("
+    prompt = tok(text, return_tensors="pt")["input_ids"][:, :32]
+    batch = torch.randint(0, 1000, (4, 256), generator=torch.Generator().manual_seed(0))
+    fwd, gen = [], []
+    with torch.inference_mode():
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            model(batch)
+            fwd.append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            out = model.generate(prompt, max_new_tokens=64, min_new_tokens=64, do_sample=False)
+            gen.append((out.shape[1] - prompt.shape[1]) / (time.perf_counter() - t0))
+    params = sum(p.numel() for p in model.parameters())
+    return {
+        "forward_s": statistics.median(fwd),
+        "gen_tok_s": statistics.median(gen),
+        "params": params,
     }
 
 
@@ -307,7 +375,13 @@ def run(names: list[str], cache: Path, adopt: dict[str, Path] | None = None) -> 
 
 
 # The dense row each table's costs divide by: the same pipeline and budget, nothing removed.
-DENSE = {"main": "main-dense-0", "ablation": "main-dense-0", "budget": "budget-0"}
+DENSE = {
+    "main": "main-dense-0",
+    "ablation": "main-dense-0",
+    "budget": "budget-0",
+    "vocab": "main-dense-0",
+    "gemma3": "gemma3-dense-0",
+}
 
 
 def line(r: dict, dense: dict | None = None) -> str:
@@ -349,7 +423,7 @@ def tables() -> str:
         f"{'GiB':>5}"
     )
     out = []
-    for table in ("main", "budget", "ablation", "corpus"):
+    for table in ("main", "budget", "vocab", "gemma3", "ablation", "corpus"):
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
             got.insert(0, done["main-default-20"])  # the default itself, measured once
@@ -363,7 +437,7 @@ def tables() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tables", default="main,budget,ablation,corpus")
+    p.add_argument("--tables", default="main,budget,vocab,gemma3,ablation,corpus")
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")

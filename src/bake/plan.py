@@ -41,10 +41,11 @@ RUNTIME = 8 * MIB  # what a computing stage holds beyond its tensors (BLAS buffe
 # are held about twice over (measured on SmolLM2 and the tiny models).
 HEAP_LIMIT = 32 * MIB
 HEAP = 2
-# A training step on CPU holds about 6 bytes per trained FFN parameter beyond the parameter, its
-# gradient and Adam's moments: the per-visit weight gradients and Adam's temporaries, freed into
-# the heap (measured: 5.5-8 bytes on the wide tiny looped model, tests/test_memory_plan.py).
-STEP_HEAP = 6
+# A training step on CPU leaves about one mmap threshold's worth of freed blocks (its per-visit
+# weight gradients, Adam's temporaries) resident in the heap, whatever the model's size
+# (measured: 29-43 MiB on the wide tiny looped model; the SmolLM2 default bake's Phase B is then
+# within 3%, where a per-parameter term would overshoot by 17%).
+STEP_HEAP = HEAP_LIMIT
 STAGES = ("load", "backbone_eval", "phase_a", "least_squares", "phase_b", "export")
 
 
@@ -143,9 +144,9 @@ def _kept(s: Shape, k: Knobs) -> int:
 def _train_state(s: Shape, k: Knobs, layers: int) -> int:
     """FFN copies, their gradients and two Adam moments (16 bytes per parameter); on CUDA the
     foreach Adam's square-root temporaries, with DDP its gradient buckets (4 bytes more each);
-    on CPU what a step leaves in the heap beyond that (STEP_HEAP)."""
-    per = 16 + (4 if k.device == "cuda" else STEP_HEAP) + (4 if k.world > 1 else 0)
-    return per * layers * s.ffn_params
+    on CPU what a step leaves in the heap (STEP_HEAP)."""
+    per = 16 + (4 if k.device == "cuda" else 0) + (4 if k.world > 1 else 0)
+    return per * layers * s.ffn_params + (STEP_HEAP if k.device == "cpu" and layers else 0)
 
 
 def _load(s: Shape, weights: int) -> int:

@@ -130,9 +130,15 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
             "start": start.ppl,
         }
     )
+    # After a Phase A that trained the FFN (phase_a.train_ffn) on its first steps' chunks, Phase
+    # B continues on the chunks after them: the FFN never sees a chunk twice within one pass
+    # over the calibration set, as one run of both phases' steps would.
+    calib = ctx.corpus.calib
+    if start.ffn and cfg.phase_a.method == "learned" and cfg.phase_a.train_ffn:
+        calib = calib.roll(-(int(cfg.phase_a.steps) % max(1, calib.shape[0])), dims=0)
     module = PhaseB(
         stack,
-        ctx.corpus.calib,
+        calib,
         ctx.corpus.held,
         settings,
         gates,
