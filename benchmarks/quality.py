@@ -279,8 +279,28 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     model = load_model(cfg.model, cache)
     corpus = load_corpus(cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, cache)
     outside = outside_chunks(model.tokenizer)
-    artifact = load_artifact(Path(result["run"]) / "model", rep["export"]["format"], "cpu")
-    exported_outside = perplexity(*artifact_nll(artifact, outside, 4, "fp32"))
+    model_dir = Path(result["run"]) / "model"
+    artifact = load_artifact(model_dir, rep["export"]["format"], "cpu")
+    # Outside the corpus in bits per byte, each model with its own tokenizer on the same text
+    # (what compares a trimmed vocabulary with the full one); per token only where the
+    # artifact keeps the source's token ids.
+    from transformers import AutoTokenizer
+
+    from bake import bpb
+    from bake.corpus import bos_prefix
+
+    texts = bpb.texts_of(outside, model.tokenizer, False)
+    own = AutoTokenizer.from_pretrained(model_dir)
+    data = bpb.scored(texts, own, bpb.start_id(own, bool(bos_prefix(own))), 512)
+
+    def logits_of(ids, lm=artifact):
+        return lm(ids).logits
+
+    outside_bits = bpb.bits_per_byte(bpb.nll_of(logits_of, data), data)
+    trimmed = (rep.get("vocab") or {}).get("mode", "full") != "full"
+    exported_outside = (
+        math.nan if trimmed else perplexity(*artifact_nll(artifact, outside, 4, "fp32"))
+    )
     del artifact
     stack = model.stack
     outside_key = ("outside", rep["model"]["key"])
@@ -288,6 +308,7 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
         _STATS[outside_key] = perplexity(*held_nll(stack, outside, None, None, 4, "fp32"))
     extra = {
         "exported_outside": exported_outside,
+        "exported_outside_bpb": outside_bits,
         "backbone_outside": _STATS[outside_key],
         "wanda_ls_test": math.nan,
         "wanda_ls_outside": math.nan,
