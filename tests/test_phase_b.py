@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -111,3 +112,42 @@ def test_fused_ffn_gradients_equal_autograd(gate_grad):
     ref = torch.autograd.grad(ref_out, [x, wg, wu, wd] + ([gate] if gate_grad else []), dout)
     for a, b in zip(mine, ref, strict=True):
         torch.testing.assert_close(a, b, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.bake
+@pytest.mark.parametrize("train_ffn", [True, False])
+def test_phase_b_continues_after_the_chunks_phase_a_trained_the_ffn_on(
+    tmp_path, docs_dir, monkeypatch, train_ffn
+):
+    """With phase_a.train_ffn the FFN has fitted the first phase_a.steps chunks: Phase B's
+    step s trains on chunk (phase_a.steps + s) % n, not on those again; otherwise on chunk s."""
+    from conftest import last_run, run_bake, tiny_args
+    from omegaconf import OmegaConf
+
+    from bake.corpus import load_corpus
+    from bake.models.loader import load_model
+    from bake.phases import phase_b
+
+    seen: list[torch.Tensor] = []
+
+    class Spy(phase_b.PhaseB):
+        def __init__(self, stack, calib, *args, **kwargs):
+            seen.append(calib.clone())
+            super().__init__(stack, calib, *args, **kwargs)
+
+    monkeypatch.setattr(phase_b, "PhaseB", Spy)
+    learned = [
+        "phase_a=learned",
+        "phase_a.steps=10",
+        "phase_a.eval_every=5",
+        f"phase_a.train_ffn={str(train_ffn).lower()}",
+        "tracking.enabled=false",
+    ]
+    assert run_bake(tiny_args(tmp_path, docs_dir, *learned)) == 0
+    assert len(seen) == 1
+    cfg = OmegaConf.load(last_run(tmp_path) / "config.yaml")
+    cache = Path(cfg.paths.cache)
+    model = load_model(cfg.model, cache)
+    calib = load_corpus(cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, cache).calib
+    offset = 10 % calib.shape[0] if train_ffn else 0
+    assert torch.equal(seen[0], torch.cat([calib[offset:], calib[:offset]]))
