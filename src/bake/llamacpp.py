@@ -39,6 +39,16 @@ FLAGS = (
     "-DLLAMA_BUILD_APP=OFF",
     "-DLLAMA_BUILD_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",  # no downloads: models are local files
+    # A portable x86-64 AVX2 build, not -march=native: a virtual machine may advertise AMX that
+    # its host does not let a process use, and the native build's q8_0 kernels then die with
+    # SIGILL (seen on a Xeon VM that lists amx_int8). Other architectures get a generic build.
+    "-DGGML_NATIVE=OFF",
+    "-DGGML_SSE42=ON",
+    "-DGGML_AVX=ON",
+    "-DGGML_AVX2=ON",
+    "-DGGML_FMA=ON",
+    "-DGGML_F16C=ON",
+    "-DGGML_BMI2=ON",
 )
 COMPLETE = "COMPLETE.json"  # written last: its presence means every tool is there
 
