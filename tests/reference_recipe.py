@@ -118,6 +118,47 @@ class Adam:
         return out
 
 
+class Sgd:
+    """SGD with momentum 0.9 (the buffer starts at the first gradient, no dampening)."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float):
+        self.lr = lr
+        self.buf: list[torch.Tensor | None] = [None for _ in params]
+
+    def step(self, params, grads, lr_scale: float = 1.0) -> list[torch.Tensor]:
+        out = []
+        for k, (p, g) in enumerate(zip(params, grads, strict=True)):
+            b = self.buf[k]
+            self.buf[k] = g.clone() if b is None else 0.9 * b + g
+            out.append(p - self.lr * lr_scale * self.buf[k])
+        return out
+
+
+class Adafactor:
+    """Adafactor for matrices (Shazeer & Stern 2018) with an absolute learning rate and no
+    momentum: second-moment decay 1 - t^-0.8, eps1 1e-30 on the squared gradient, the row and
+    column means of it as the factors, update RMS clipped to 1."""
+
+    def __init__(self, params: list[torch.Tensor], lr: float):
+        self.lr, self.t = lr, 0
+        self.rows = [torch.zeros(p.shape[0], dtype=p.dtype) for p in params]
+        self.cols = [torch.zeros(p.shape[1], dtype=p.dtype) for p in params]
+
+    def step(self, params, grads, lr_scale: float = 1.0) -> list[torch.Tensor]:
+        self.t += 1
+        beta = 1.0 - self.t**-0.8
+        out = []
+        for p, g, r, c in zip(params, grads, self.rows, self.cols, strict=True):
+            sq = g * g + 1e-30
+            r.mul_(beta).add_((1 - beta) * sq.mean(dim=1))
+            c.mul_(beta).add_((1 - beta) * sq.mean(dim=0))
+            v = torch.outer(r / r.mean(), c)  # the factored estimate of E[g^2]
+            u = g / v.sqrt()
+            u = u / max(1.0, float(u.pow(2).mean().sqrt()))
+            out.append(p - self.lr * lr_scale * u)
+        return out
+
+
 def mask_init_logit(loops: int) -> float:
     """sigma(m0) ** loops == sigma(2.0)."""
     per_visit = (1 / (1 + math.exp(-2.0))) ** (1 / loops)
@@ -140,20 +181,25 @@ def phase_a(model: TinyLlama, calib, logits, steps, lr, l1_init, l1_step, eval_e
     return logits
 
 
-def phase_b(model: TinyLlama, calib, gates, layers, steps, lr):
+def phase_b(model: TinyLlama, calib, gates, layers, steps, lr, optimizer=Adam, block=0):
     """Phase B's steps: the FFN copies of ``layers`` under the hard ``gates``, cosine learning
-    rate divided by the loop depth, one shared clip over every trained tensor."""
+    rate divided by the loop depth, one shared clip over every trained tensor. With ``block``
+    > 0 the layers train in groups of ``block``, bottom first, the steps split evenly, each
+    group alone with its own cosine and a fresh optimiser."""
     copies = {i: [w.clone() for w in model.ffn(i)] for i in layers}
-    flat = [w for i in layers for w in copies[i]]
-    opt = Adam(flat, lr)
-    for s in range(steps):
-        params = [w.detach().clone().requires_grad_() for w in flat]
-        ffn = {i: params[3 * k : 3 * k + 3] for k, i in enumerate(layers)}
-        loss = model.ce(calib[s % calib.shape[0]][None], gates, ffn)
-        grads = torch.autograd.grad(loss, params)
-        scale = 0.5 * (1 + math.cos(math.pi * s / steps)) / model.loops
-        flat = opt.step(flat, clip(list(grads)), scale)
-        copies = {i: flat[3 * k : 3 * k + 3] for k, i in enumerate(layers)}
+    groups = [layers[k : k + block] for k in range(0, len(layers), block)] if block else [layers]
+    bounds = [round(g * steps / len(groups)) for g in range(len(groups))] + [steps]
+    for g, group in enumerate(groups):
+        flat = [w for i in group for w in copies[i]]
+        opt, n = optimizer(flat, lr), bounds[g + 1] - bounds[g]
+        for k, s in enumerate(range(bounds[g], bounds[g + 1])):
+            params = [w.detach().clone().requires_grad_() for w in flat]
+            ffn = {**copies, **{i: params[3 * j : 3 * j + 3] for j, i in enumerate(group)}}
+            loss = model.ce(calib[s % calib.shape[0]][None], gates, ffn)
+            grads = torch.autograd.grad(loss, params)
+            scale = 0.5 * (1 + math.cos(math.pi * k / n)) / model.loops
+            flat = opt.step(flat, clip(list(grads)), scale)
+            copies.update({i: flat[3 * j : 3 * j + 3] for j, i in enumerate(group)})
     return copies
 
 

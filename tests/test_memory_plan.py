@@ -104,8 +104,18 @@ def test_a_limit_below_any_setting_says_so(tmp_path, capsys, no_load):
 @pytest.mark.subprocess
 @pytest.mark.parametrize(
     "model",
-    [["model=tiny"], ["model=tiny_looped", *WIDE]],
-    ids=["tiny", "tiny_looped_wide"],
+    [
+        ["model=tiny"],
+        ["model=tiny_looped", *WIDE],
+        [
+            "model=tiny",
+            *WIDE,
+            "trainer.activation_checkpointing=true",
+            "phase_b.block_layers=1",
+            "phase_b.optimizer=adafactor",
+        ],
+    ],
+    ids=["tiny", "tiny_looped_wide", "tiny_wide_memory_settings"],
 )
 def test_plan_is_within_15_percent_of_the_measured_peak(tmp_path, docs_dir, model):
     """The plan's peak, and each stage's, against the resident memory the bake measured."""

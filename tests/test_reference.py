@@ -8,7 +8,16 @@ from __future__ import annotations
 
 import pytest
 import torch
-from reference_recipe import TinyLlama, joint_phase_a, mask_init_logit, phase_a, phase_b
+from reference_recipe import (
+    Adafactor,
+    Adam,
+    Sgd,
+    TinyLlama,
+    joint_phase_a,
+    mask_init_logit,
+    phase_a,
+    phase_b,
+)
 from test_phase_a import tcfg, tiny
 
 from bake import masks
@@ -61,16 +70,39 @@ def test_phase_a_steps_equal_the_reference(tmp_path, loops, l1_init, l1_step):
 
 
 @pytest.mark.trainer
-@pytest.mark.parametrize("loops", [1, 2])
-def test_phase_b_steps_under_the_hard_mask_equal_the_reference(tmp_path, loops):
+@pytest.mark.parametrize(
+    "loops, optimizer, block, recompute",
+    [
+        (1, "adam", 0, False),
+        (2, "adam", 0, False),
+        (2, "adam", 0, True),  # activation checkpointing: the same steps
+        (1, "sgd", 0, False),
+        (2, "adafactor", 0, False),
+        (1, "adam", 1, False),  # blockwise: layer 1, then layer 2
+        (2, "adafactor", 1, True),
+    ],
+)
+def test_phase_b_steps_under_the_hard_mask_equal_the_reference(
+    tmp_path, loops, optimizer, block, recompute
+):
     stack = tiny(loops=loops)
+    stack.checkpoint = recompute
     calib, held = data(6)
     gates = (torch.rand(stack.num_virtual, stack.inter, generator=torch.Generator().manual_seed(1))
              > 0.3).double()  # fmt: skip
-    s = PhaseBSettings(steps=4, lr=1e-2, layers=2, eval_every=2, eval_batch_size=3)
+    lr = {"adam": 1e-2, "sgd": 0.3, "adafactor": 1e-2}[optimizer]
+    s = PhaseBSettings(
+        steps=4, lr=lr, layers=2, eval_every=2, eval_batch_size=3, optimizer=optimizer,
+        block_layers=block,
+    )  # fmt: skip
     module = PhaseB(stack, calib, held, s, gates, Identity("tiny", "ref"))
     make_trainer(tcfg(), tmp_path / "b", s.steps, s.eval_every, "phase_b/select").fit(module)
-    want = phase_b(reference_of(stack), calib, gates, [1, 2], 4, 1e-2)
+    opt = {"adam": Adam, "sgd": Sgd, "adafactor": Adafactor}[optimizer]
+    want = phase_b(reference_of(stack), calib, gates, [1, 2], 4, lr, opt, block)
+    if block:  # the finished group holds no optimiser state and no gradient
+        state = module.trainer.optimizers[0].state
+        assert {id(p) for p in state} == {id(p) for p in module.copies()[2]}
+        assert not any(p.requires_grad for p in module.copies()[1])
     for li in (1, 2):
         for mine, ref in zip(module.copies()[li], want[li], strict=True):
             torch.testing.assert_close(mine.detach(), ref, rtol=0, atol=1e-7)

@@ -80,12 +80,25 @@ def _changes(k: Knobs, layers: int) -> list[Change]:
     """The settings that lower a peak, mildest first within each kind, kinds in the order
     they cost the recipe least."""
     out: list[Change] = []
+    if k.b or k.a_ffn or k.learned:  # something trains: no quality cost, about 1/3 more compute
+        if not k.ckpt:
+            out.append(("trainer.activation_checkpointing=true", {"ckpt": True}))
     n = min(k.ls_chunks, k.calib) // 2
     while k.ls and n >= 1:
         out.append((f"phase_b.ls_chunks={n}", {"ls_chunks": n}))
         n //= 2
     if k.eval_batch > 1:
         out.append(("trainer.eval_batch_size=1", {"eval_batch": 1}))
+    if k.b and k.optimizer == "adam":
+        out += [
+            ("phase_b.optimizer=sgd", {"optimizer": "sgd"}),
+            ("phase_b.optimizer=adafactor", {"optimizer": "adafactor"}),
+        ]
+    trained = min(k.b_layers, layers)
+    block = (min(k.block, trained) if k.block > 0 else trained) // 2
+    while k.b and block >= 1:
+        out.append((f"phase_b.block_layers={block}", {"block": block}))
+        block //= 2
     for n in range(min(k.b_layers, layers) - 1, 0, -1) if k.b else ():
         out.append((f"phase_b.all_layers=false phase_b.layers={n}", {"b_layers": n}))
     if k.a_ffn:

@@ -69,6 +69,12 @@ class GgufType(StrEnum):
     q6_k = "q6_k"
 
 
+class Optimizer(StrEnum):
+    adam = "adam"  # Adam: two fp32 moments per trained weight (8 bytes)
+    adafactor = "adafactor"  # factored second moment, no first: a row and a column per matrix
+    sgd = "sgd"  # SGD with momentum 0.9: one fp32 buffer per trained weight (4 bytes)
+
+
 class Precision(StrEnum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 elsewhere
     fp32 = "fp32"
@@ -149,6 +155,8 @@ class PhaseBConf:
     ls_chunks: int = 240
     ls_ridge: float = 1e-3
     ls_drift: float = 0.5
+    optimizer: Optimizer = Optimizer.adam
+    block_layers: int = 0
 
 
 @dataclass
@@ -179,6 +187,7 @@ class TrainerConf:
     progress_bar: bool = True
     eval_batch_size: int = 4
     memory_limit_gib: float | None = None
+    activation_checkpointing: bool = False
     callbacks: list[Any] = field(default_factory=list)
 
 

@@ -208,6 +208,7 @@ def _load(ctx: Ctx) -> None:
     ctx.precision = resolve_precision(ctx.device, str(cfg.phase_a.eval_precision))
     ctx.model.lm.to(ctx.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
     stack, corpus = ctx.model.stack, ctx.corpus
+    stack.checkpoint = bool(cfg.trainer.activation_checkpointing)
     log.info(
         "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration, "
         "%d test chunks of %d tokens; evaluations on %s in %s",

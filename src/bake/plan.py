@@ -70,6 +70,9 @@ class Knobs:
     b: bool  # Phase B runs
     b_layers: int  # layers Phase B trains
     distill: bool
+    optimizer: str = "adam"  # phase_b.optimizer
+    block: int = 0  # phase_b.block_layers: layers with gradients and optimiser state at once
+    ckpt: bool = False  # trainer.activation_checkpointing
     base: int = BASE  # the process before the model: interpreter, libraries, corpus (CPU)
 
     @classmethod
@@ -105,6 +108,9 @@ class Knobs:
             b=bool(get("phase_b.enabled", True)),
             b_layers=min(shape.layers, int(layers)),
             distill=float(get("phase_b.distill", 0.0)) > 0,
+            optimizer=str(get("phase_b.optimizer", "adam")),
+            block=int(get("phase_b.block_layers", 0)),
+            ckpt=bool(get("trainer.activation_checkpointing", False)),
         )
 
 
@@ -124,29 +130,51 @@ def _eval(s: Shape, k: Knobs, batch: int, observe: bool = False) -> int:
     return HEAP * 4 * (bt * s.hidden + max(attn, ffn, head))
 
 
-def _step(s: Shape, k: Knobs, weights: bool) -> int:
+def _step(s: Shape, k: Knobs, weights: int) -> int:
     """Tensors one training step keeps for its backward (one chunk, fp32): per virtual layer
-    the stream after attention and the two pre-activations (and the FFN input when weights
-    train), the head's saved gradient and its logit block, one layer's backward temporaries."""
+    the stream after attention and the two pre-activations (and the FFN input of the
+    ``weights`` layers whose weights train), or with activation checkpointing the stream alone
+    plus one layer's recomputed FFN; the head's saved gradient and its logit block, one layer's
+    backward temporaries."""
     from bake.stack import LOGIT_BUDGET
 
     t, h, i = k.chunk, s.hidden, s.inter
-    per_visit = t * (h + (h if weights else 0) + 2 * i)
+    visits = s.layers * s.loops
+    trained = min(weights, s.layers) * s.loops
+    if k.ckpt:
+        saved = visits * t * h + t * (2 * h + 2 * i)
+    else:
+        saved = visits * t * (h + 2 * i) + trained * t * h
     block = min(s.vocab, max(1024, LOGIT_BUDGET // max(t - 1, 1)))
     head = 2 * (t - 1) * h + (t - 1) * block * (3 if k.distill else 1)
-    return HEAP * 4 * (s.layers * s.loops * per_visit + (s.loops + 1) * t * h + head + 6 * t * i)
+    return HEAP * 4 * (saved + (s.loops + 1) * t * h + head + 6 * t * i)
 
 
 def _kept(s: Shape, k: Knobs) -> int:
     return max(1, round(k.keep * s.inter))
 
 
-def _train_state(s: Shape, k: Knobs, layers: int) -> int:
-    """FFN copies, their gradients and two Adam moments (16 bytes per parameter); on CUDA the
+# Optimiser state per trained weight, bytes: Adam's two moments, SGD's momentum; Adafactor's
+# factored second moment is a row and a column per matrix (counted apart).
+OPT_STATE = {"adam": 8, "sgd": 4, "adafactor": 0}
+
+
+def _train_state(s: Shape, k: Knobs, layers: int, optimizer: str = "adam", block: int = 0) -> int:
+    """FFN copies of ``layers`` layers (4 bytes per parameter); gradients and optimiser state
+    of the layers that train at once (every one, or a group of ``block``): 4 + 8 bytes with
+    Adam, 4 + 4 with SGD, 4 with Adafactor (plus a row and a column per matrix); on CUDA the
     foreach Adam's square-root temporaries, with DDP its gradient buckets (4 bytes more each);
     on CPU what a step leaves in the heap (STEP_HEAP)."""
-    per = 16 + (4 if k.device == "cuda" else 0) + (4 if k.world > 1 else 0)
-    return per * layers * s.ffn_params + (STEP_HEAP if k.device == "cpu" and layers else 0)
+    active = min(block, layers) if block > 0 else layers
+    per = 4 + OPT_STATE[optimizer] + (4 if k.world > 1 else 0)
+    per += 4 if k.device == "cuda" and optimizer == "adam" else 0
+    rows = 4 * 3 * (s.inter + s.hidden) if optimizer == "adafactor" else 0
+    copies = 4 * layers * s.ffn_params
+    return (
+        copies
+        + active * (per * s.ffn_params + rows)
+        + (STEP_HEAP if k.device == "cpu" and layers else 0)
+    )
 
 
 def _load(s: Shape, weights: int) -> int:
@@ -167,7 +195,7 @@ def _phase_a(s: Shape, k: Knobs, ev: int) -> int:
     copies read back while the module holds its own); a score: one statistics pass."""
     a, rows = 0, s.layers * s.loops * s.inter
     if k.learned:
-        a = 16 * rows + 4 * k.a_evals * rows + _step(s, k, k.a_ffn)
+        a = 16 * rows + 4 * k.a_evals * rows + _step(s, k, s.layers if k.a_ffn else 0)
         if k.a_ffn:
             a = max(a + _train_state(s, k, s.layers), 20 * s.layers * s.ffn_params)
     if k.stats:
@@ -178,22 +206,23 @@ def _phase_a(s: Shape, k: Knobs, ev: int) -> int:
 def _least_squares(s: Shape, k: Knobs) -> tuple[int, int]:
     """(device, host) bytes: the residual stream(s) of every calibration chunk (and the batches
     the first was assembled from), one layer's float64 sums, the solved ``down_proj`` matrices,
-    one batch's forward; every layer's normal equations are allocated at the start (on the host
-    when the device is a GPU) and freed after a layer's last visit."""
+    one batch's forward; a layer's normal equations (on the host when the device is a GPU)
+    exist from its first visit to its last: one layer's at a time on a model that does not
+    loop, every layer's on a looped one."""
     h, i, kk = s.hidden, s.inter, _kept(s, k)
     normals, down = 8 * (kk * kk + h * kk), 4 * h * i
     stream = min(k.ls_chunks, k.calib) * k.chunk * h * 4 * (3 if k.ls_stream else 2)
     sums = 8 * max(5 * i * i // 2 + h * i, i * i + 4 * h * i)
     solve = 8 * max(i * i + h * i + kk * i + 2 * kk * kk, 3 * kk * kk + 2 * h * kk)
     batch = _eval(s, k, 8) + HEAP * 4 * 8 * k.chunk * (i + 2 * h)
-    host = s.layers * normals
-    if s.loops > 1:  # the peak comes at the second pass: every layer's equations still held,
-        # every layer's solved down_proj, and what each visit's solve left resident (about
-        # its float64 right-hand side, measured at Nanbeige's width; small ones in the heap)
-        downs = s.layers * down
+    downs = s.layers * down  # the peak comes at the last layer (of the last pass)
+    if s.loops > 1:  # every layer's equations still held at the second pass, and what each
+        # visit's solve left resident (about its float64 right-hand side, measured at
+        # Nanbeige's width; small ones in the heap)
+        host = s.layers * normals
         left = s.layers * 8 * h * kk + (solve if 8 * i * i < HEAP_LIMIT else 0)
-    else:  # the peak comes at the first layer: every layer's equations, one down_proj
-        downs, left = down, 0
+    else:
+        host, left = normals, 0
     if k.device == "cuda":  # the equations are summed and solved on the host
         return stream + sums + batch + downs, host + left + solve
     return stream + max(sums, solve) + batch + downs + left + host, 0
@@ -227,7 +256,9 @@ def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
         "phase_b": 0,
     }
     if k.b:
-        b = _train_state(s, k, k.b_layers) + max(_step(s, k, True), 16 * h * i, ev)
+        state = _train_state(s, k, k.b_layers, k.optimizer, k.block)
+        active = min(k.block, k.b_layers) if k.block > 0 else k.b_layers
+        b = state + max(_step(s, k, active), 16 * h * i, ev)
         out["phase_b"] = compute + carried + ls_downs + b
     exported = weights - 12 * h * (i - kk) * layers
     final = 12 * h * i * (k.b_layers if k.b else 0) + ls_downs  # the repaired FFN weights

@@ -95,10 +95,9 @@ def least_squares(
     h_o = h.clone() if stream else None  # the unpruned stream
     ropes, amasks = stack.positions(h[:1])
     inter = stack.inter
-    normals = {
-        li: _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
-        for li in range(stack.num_layers)
-    }
+    # A layer's equations exist from its first visit to its last: one layer's at a time on a
+    # model that does not loop, every layer's from the second pass on a looped one.
+    normals: dict[int, _Normal] = {}
     out: dict[int, FfnWeights] = {}
     last = stack.num_virtual - 1
     for v in range(stack.num_virtual):
@@ -120,6 +119,8 @@ def least_squares(
                 off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
                 cross += (off.T @ a2).double()
         cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
+        if li not in normals:
+            normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
         normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
         del gram, cross
         down = torch.zeros_like(wd)

@@ -21,6 +21,7 @@ from contextlib import nullcontext
 import torch
 import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 
 LOGIT_BUDGET = 1 << 22  # elements of one logits block (16 MiB in fp32): rows = budget // vocab
 FfnOverride = Mapping[int, Sequence[Tensor]]  # physical layer -> (gate, up, down) weights
@@ -70,6 +71,9 @@ class Stack:
         takes_type = "layer_type" in inspect.signature(self.rotary.forward).parameters
         self.rope_types: list[str] | None = list(types) if takes_type and types else None
         self._masks: dict[tuple, list[Tensor | None]] = {}
+        # trainer.activation_checkpointing: a training forward keeps each layer's input only
+        # and recomputes the layer's FFN in the backward
+        self.checkpoint = False
         if getattr(config, "_attn_implementation", "sdpa") != "sdpa":
             lm.set_attn_implementation("sdpa")  # causal without a mask tensor
 
@@ -165,6 +169,18 @@ class Stack:
             gate = torch.ones((), dtype=x.dtype, device=x.device)
         return _GatedFFN.apply(x, wg, wu, wd, gate, self.act)
 
+    def _ffn_block(
+        self,
+        li: int,
+        h: Tensor,
+        gate: Tensor | None,
+        ffn: FfnOverride | None,
+        v: int,
+        observe: Observer | None = None,
+    ) -> Tensor:
+        """The residual stream after layer ``li``'s FFN, from the stream after its attention."""
+        return h + self.ffn_output(li, self._ffn(li, self.ffn_input(li, h), gate, ffn, observe, v))
+
     def hidden(
         self,
         ids: Tensor,
@@ -188,8 +204,10 @@ class Stack:
             li = v % self.num_layers
             h = self.attend(li, h, ropes, amasks)
             row = None if gates is None else gates[v]
-            y = self._ffn(li, self.ffn_input(li, h), row, ffn, observe, v)
-            h = h + self.ffn_output(li, y)
+            if self.checkpoint and observe is None and torch.is_grad_enabled():
+                h = checkpoint(self._ffn_block, li, h, row, ffn, v, use_reentrant=False)
+            else:
+                h = self._ffn_block(li, h, row, ffn, v, observe)
             if self.loop_norm and li == self.num_layers - 1 and v < last:
                 h = self.norm(h)
         return self.norm(h)

@@ -83,6 +83,13 @@ def _layers_off(cfg) -> str | None:
     return "phase_b.all_layers=true" if b.all_layers else None
 
 
+def _nothing_trains(cfg) -> str | None:
+    """Neither phase trains: a training-free Phase A and no Phase B."""
+    if cfg.phase_a.method == "learned" or cfg.phase_b.enabled:
+        return None
+    return f"phase_a.method={cfg.phase_a.method} and phase_b.enabled=false"
+
+
 def _ls_off(cfg) -> str | None:
     return None if cfg.phase_b.least_squares else "phase_b.least_squares=false"
 
@@ -136,6 +143,12 @@ RULES: dict[str, tuple[Callable, str]] = {
     "phase_b.distill": (_phase_b_off, "Phase B's distillation weight"),
     "phase_b.all_layers": (_phase_b_off, "whether Phase B trains every layer"),
     "phase_b.layers": (_layers_off, "how many of the last layers Phase B trains"),
+    "phase_b.optimizer": (_phase_b_off, "Phase B's optimiser"),
+    "phase_b.block_layers": (_phase_b_off, "how many layers Phase B trains at a time"),
+    "trainer.activation_checkpointing": (
+        _nothing_trains,
+        "whether a training step recomputes each layer's FFN in the backward",
+    ),
     "phase_b.ls_chunks": (_ls_off, "the chunks the least-squares repair is fitted on"),
     "phase_b.ls_ridge": (_ls_off, "the least-squares repair's ridge"),
     "phase_b.ls_drift": (_ls_off, "how much drift the least-squares repair undoes"),

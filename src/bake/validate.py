@@ -47,6 +47,12 @@ def _ranges(cfg, problems: list[str]) -> None:
     need(0 <= b.distill <= 1, "phase_b.distill", b.distill, "must be in [0, 1]: the KL's weight")
     need(b.ls_chunks >= 1, "phase_b.ls_chunks", b.ls_chunks, "must be >= 1")
     need(
+        b.block_layers >= 0,
+        "phase_b.block_layers",
+        b.block_layers,
+        "must be >= 0 (0: every trained layer at once; N: groups of N layers in turn)",
+    )
+    need(
         b.ls_ridge > 0 and math.isfinite(b.ls_ridge),
         "phase_b.ls_ridge",
         b.ls_ridge,
@@ -108,6 +114,14 @@ def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
         problems.append(
             f"phase_b.layers={b.layers}: must be in [1, {meta.num_layers}] "
             f"(the model has {meta.num_layers} layers)"
+        )
+    trained = meta.num_layers if b.all_layers else min(max(b.layers, 1), meta.num_layers)
+    groups = -(-trained // b.block_layers) if b.block_layers > 0 else 1
+    if b.enabled and groups > b.steps:
+        problems.append(
+            f"phase_b.block_layers={b.block_layers}: {groups} groups of the {trained} trained "
+            f"layers, more than phase_b.steps={b.steps}; each group needs a step: raise "
+            f"phase_b.block_layers or phase_b.steps"
         )
     if meta.max_positions and c.chunk_len > meta.max_positions:
         problems.append(

@@ -3,9 +3,15 @@ mask active.
 
 Trainable state: copies of gate/up/down of those layers, starting from the weights the bake
 has so far (the backbone's, or the least-squares repair's). Plain Adam (no weight decay, so the
-weights behind dropped neurons stay put), global-norm clip 1.0 over all trained tensors,
+weights behind dropped neurons stay put; ``optimizer`` may pick Adafactor, factored and without
+momentum, or SGD with momentum 0.9 instead), global-norm clip 1.0 over all trained tensors,
 cosine learning rate lr * 0.5 * (1 + cos(pi * s / steps)), divided by ``loops`` on a looped
-model (each physical FFN is visited ``loops`` times per token). Step ``s`` trains on
+model (each physical FFN is visited ``loops`` times per token).
+
+With ``block_layers`` = N > 0 the trained layers are repaired in groups of N, bottom first: the
+steps are split evenly between the groups, each group trains alone during its share with its own
+cosine schedule, and its optimiser state is dropped when the next group starts, so gradients
+and optimiser state exist for one group at a time. Step ``s`` trains on
 calibration chunk ``s % n_calib`` with the next-token loss, or, with ``distill`` > 0, with
 (1 - distill) * that loss + distill * KL(unpruned model || this one) on the same chunk;
 attention carries no gradient. The evaluation kept is :func:`bake.masks.select_repair`'s: the
@@ -48,6 +54,8 @@ class PhaseBSettings:
     all_layers: bool = False
     distill: float = 0.0
     baseline: float = math.inf  # the held-out perplexity an evaluation must beat to be kept
+    optimizer: str = "adam"  # adam | adafactor | sgd
+    block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
 
 
 def trained_layers(num_layers: int, n: int, all_layers: bool = False) -> list[int]:
@@ -55,9 +63,39 @@ def trained_layers(num_layers: int, n: int, all_layers: bool = False) -> list[in
     return list(range(0 if all_layers else num_layers - n, num_layers))
 
 
-def lr_at(step: int, settings: PhaseBSettings, loops: int) -> float:
-    """The learning rate of the update at ``step``: cosine, divided by the loop depth."""
-    return settings.lr * masks.cosine_scale(step, settings.steps) / max(1, loops)
+def block_starts(steps: int, layers: int, block: int) -> list[int]:
+    """The first step of each group of ``block`` trained layers (and ``steps`` at the end):
+    the steps split evenly, one group after the other; one group when ``block`` is 0."""
+    n = max(1, -(-layers // block)) if block > 0 else 1
+    return [round(g * steps / n) for g in range(n)] + [steps]
+
+
+def block_of(step: int, starts: list[int]) -> int:
+    """The group that trains at ``step`` (the last one from its start on)."""
+    return max(g for g in range(len(starts) - 1) if starts[g] <= step or g == 0)
+
+
+def lr_at(step: int, settings: PhaseBSettings, loops: int, layers: int = 1) -> float:
+    """The learning rate of the update at ``step``: cosine over the steps (of the group that
+    trains at ``step``, with ``block_layers``), divided by the loop depth."""
+    starts = block_starts(settings.steps, layers, settings.block_layers)
+    g = block_of(step, starts)
+    scale = masks.cosine_scale(step - starts[g], starts[g + 1] - starts[g])
+    return settings.lr * scale / max(1, loops)
+
+
+def make_optimizer(name: str, params: list, lr: float) -> torch.optim.Optimizer:
+    """Phase B's optimiser (no weight decay: the weights behind dropped neurons stay put)."""
+    if name == "adafactor":
+        from transformers.optimization import Adafactor
+
+        # the learning rate as Adam's (absolute, not relative to the weights' scale)
+        return Adafactor(
+            params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
+        )
+    if name == "sgd":
+        return torch.optim.SGD(params, lr=lr, momentum=0.9)
+    return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
 
 
 class PhaseB(CalibrationSteps, L.LightningModule):
@@ -86,6 +124,9 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         for li in self.layer_ids:
             for w in self.base.get(li) or stack.ffn_weights(li):
                 self.ffn.append(nn.Parameter(w.detach().clone()))
+        self.starts = block_starts(settings.steps, len(self.layer_ids), settings.block_layers)
+        self._block: int | None = None
+        self.activate(0)
         self.evaluations: list[dict] = []
         self.timer = StepTimer()
         self.on_evaluation = on_evaluation
@@ -95,6 +136,28 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         """Physical layer -> (gate, up, down) of the trained copies."""
         p = list(self.ffn)
         return {li: tuple(p[3 * i : 3 * i + 3]) for i, li in enumerate(self.layer_ids)}
+
+    def activate(self, step: int) -> None:
+        """With ``block_layers``: the group of ``step`` trains, the others are held fixed, and
+        the optimiser state of those that stopped is dropped."""
+        if self.s.block_layers <= 0:
+            return
+        g = block_of(step, self.starts)
+        if g == self._block:
+            return
+        per = 3 * self.s.block_layers
+        opt = self.trainer.optimizers[0] if self._trainer is not None else None
+        for i, p in enumerate(self.ffn):
+            p.requires_grad_(i // per == g)
+            if opt is not None and i // per != g:
+                opt.state.pop(p, None)
+        if self._block is not None:
+            log.info("[B] step %d: layers %s train", step, self.block_layer_ids(g))
+        self._block = g
+
+    def block_layer_ids(self, g: int) -> list[int]:
+        n = self.s.block_layers
+        return self.layer_ids[g * n : (g + 1) * n] if n > 0 else self.layer_ids
 
     def overrides(self) -> FfnOverride:
         """The FFN weights the forward runs with: the trained copies over the fixed base."""
@@ -111,15 +174,18 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         sched = self.trainer.lr_scheduler_configs[0].scheduler
         sched.base_lrs = [self.s.lr for _ in sched.base_lrs]
         for group in self.trainer.optimizers[0].param_groups:
-            group["lr"] = lr_at(self.global_step, self.s, self.stack.loops)
+            group["lr"] = lr_at(self.global_step, self.s, self.stack.loops, len(self.layer_ids))
+        self._block = None
+        self.activate(self.global_step)
+
+    def on_train_batch_start(self, batch, batch_idx) -> None:
+        self.activate(self.global_step)
 
     def configure_optimizers(self):
-        opt = torch.optim.Adam(
-            self.ffn.parameters(), lr=self.s.lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0
-        )
-        loops = self.stack.loops
+        opt = make_optimizer(self.s.optimizer, list(self.ffn.parameters()), self.s.lr)
+        loops, n = self.stack.loops, len(self.layer_ids)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, lambda s: lr_at(s, self.s, loops) / self.s.lr
+            opt, lambda s: lr_at(s, self.s, loops, n) / self.s.lr
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
@@ -173,7 +239,7 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         self.log("held_ppl", ppl, prog_bar=True, logger=False)
         fb, opt = self.timer.means()
         log.info(
-            "[B] step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, adam %.4fs per step]",
+            "[B] step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, optimiser %.4fs per step]",
             ev["step"],
             ppl,
             best,

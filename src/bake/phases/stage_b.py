@@ -120,6 +120,8 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
         b.all_layers,
         b.distill,
         start.ppl,
+        str(b.optimizer),
+        int(b.block_layers),
     )
     resumable = {k: v for k, v in resolved(b).items() if k != "lr"}  # a resume may lower it
     key = digest(
@@ -156,6 +158,8 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
         "layers": layers,
         "all_layers": bool(b.all_layers),
         "distill": float(b.distill),
+        "optimizer": str(b.optimizer),
+        "block_layers": int(b.block_layers),
         "evaluations": evaluations,
         "seconds_train": time.perf_counter() - t0,
         "sec_fwd_bwd": module.timer.means()[0],
