@@ -151,3 +151,45 @@ def test_phase_b_continues_after_the_chunks_phase_a_trained_the_ffn_on(
     calib = load_corpus(cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, cache).calib
     offset = 10 % calib.shape[0] if train_ffn else 0
     assert torch.equal(seen[0], torch.cat([calib[offset:], calib[:offset]]))
+
+
+@pytest.mark.bake
+@pytest.mark.parametrize("kept", [True, False])
+def test_phase_b_in_place_exports_the_kept_evaluation_or_the_weights_it_started_from(
+    tmp_path, docs_dir, monkeypatch, kept
+):
+    """Phase B trains the bake's own FFN tensors (no copies): the export carries best.ckpt's
+    values when an evaluation is kept, and exactly the weights before Phase B when none is
+    (what the same bake exports with phase_b.enabled=false); the saved start is removed."""
+    from conftest import last_run, report, run_bake, tiny_args
+    from safetensors.torch import load_file
+
+    from bake.phases import phase_b
+
+    base = ["phase_a=flap", "phase_b=default", "tracking.enabled=false"]
+    # kept: the FIRST of the two evaluations, so that the trained tensors' last values are not
+    # what ships
+    choice = 0 if kept else None
+    monkeypatch.setattr(phase_b.PhaseB, "choice", lambda self: choice if self.evaluations else None)
+    assert run_bake(tiny_args(tmp_path / "b", docs_dir, *base)) == 0
+    run = last_run(tmp_path / "b")
+    assert report(run)["phase_b"]["improved"] is kept
+    assert not list((run / "checkpoints").glob("phase_b_start*"))
+    got = load_file(run / "model" / "model.safetensors")
+    if kept:
+        best = torch.load(
+            run / "checkpoints" / "phase_b" / "best.ckpt", map_location="cpu", weights_only=True
+        )["state_dict"]
+        physical = load_file(run / "masks.safetensors")["keep"].bool()
+        for li in range(physical.shape[0]):
+            idx = physical[li].nonzero().squeeze(1)
+            p = f"model.layers.{li}.mlp."
+            assert torch.equal(got[p + "gate_proj.weight"], best[f"ffn.{3 * li}"][idx])
+            assert torch.equal(got[p + "up_proj.weight"], best[f"ffn.{3 * li + 1}"][idx])
+            assert torch.equal(got[p + "down_proj.weight"], best[f"ffn.{3 * li + 2}"][:, idx])
+        return
+    assert run_bake(tiny_args(tmp_path / "off", docs_dir, *base, "phase_b.enabled=false")) == 0
+    want = load_file(last_run(tmp_path / "off") / "model" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

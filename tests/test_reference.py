@@ -71,21 +71,24 @@ def test_phase_a_steps_equal_the_reference(tmp_path, loops, l1_init, l1_step):
 
 @pytest.mark.trainer
 @pytest.mark.parametrize(
-    "loops, optimizer, block, recompute",
+    "loops, optimizer, block, recompute, in_place",
     [
-        (1, "adam", 0, False),
-        (2, "adam", 0, False),
-        (2, "adam", 0, True),  # activation checkpointing: the same steps
-        (1, "sgd", 0, False),
-        (2, "adafactor", 0, False),
-        (1, "adam", 1, False),  # blockwise: layer 1, then layer 2
-        (2, "adafactor", 1, True),
+        (1, "adam", 0, False, False),
+        (2, "adam", 0, False, False),
+        (2, "adam", 0, True, False),  # activation checkpointing: the same steps
+        (1, "sgd", 0, False, False),
+        (2, "adafactor", 0, False, False),
+        (1, "adam", 1, False, False),  # blockwise: layer 1, then layer 2
+        (2, "adafactor", 1, True, False),
+        (1, "adam", 0, False, True),  # the backbone's own tensors trained
+        (2, "sgd", 1, True, True),
     ],
 )
 def test_phase_b_steps_under_the_hard_mask_equal_the_reference(
-    tmp_path, loops, optimizer, block, recompute
+    tmp_path, loops, optimizer, block, recompute, in_place
 ):
     stack = tiny(loops=loops)
+    ref = reference_of(stack)  # the weights before any step (a copy)
     stack.checkpoint = recompute
     calib, held = data(6)
     gates = (torch.rand(stack.num_virtual, stack.inter, generator=torch.Generator().manual_seed(1))
@@ -93,24 +96,27 @@ def test_phase_b_steps_under_the_hard_mask_equal_the_reference(
     lr = {"adam": 1e-2, "sgd": 0.3, "adafactor": 1e-2}[optimizer]
     s = PhaseBSettings(
         steps=4, lr=lr, layers=2, eval_every=2, eval_batch_size=3, optimizer=optimizer,
-        block_layers=block,
+        block_layers=block, in_place=in_place,
     )  # fmt: skip
     module = PhaseB(stack, calib, held, s, gates, Identity("tiny", "ref"))
     make_trainer(tcfg(), tmp_path / "b", s.steps, s.eval_every, "phase_b/select").fit(module)
     opt = {"adam": Adam, "sgd": Sgd, "adafactor": Adafactor}[optimizer]
-    want = phase_b(reference_of(stack), calib, gates, [1, 2], 4, lr, opt, block)
+    want = phase_b(ref, calib, gates, [1, 2], 4, lr, opt, block)
     if block:  # the finished group holds no optimiser state and no gradient
         state = module.trainer.optimizers[0].state
         assert {id(p) for p in state} == {id(p) for p in module.copies()[2]}
         assert not any(p.requires_grad for p in module.copies()[1])
     for li in (1, 2):
-        for mine, ref in zip(module.copies()[li], want[li], strict=True):
-            torch.testing.assert_close(mine.detach(), ref, rtol=0, atol=1e-7)
+        for mine, expected in zip(module.copies()[li], want[li], strict=True):
+            torch.testing.assert_close(mine.detach(), expected, rtol=0, atol=1e-7)
+        # in place: the backbone's own tensors are the trained ones; else it is untouched
+        for live, before in zip(stack.ffn_weights(li), ref.ffn(li), strict=True):
+            assert torch.equal(live, before) != in_place
     dropped = ~gates.bool()[2 + (loops - 1) * 3]  # last visit of layer 2
     if loops == 1:  # a neuron no visit keeps is untouched by the repair
-        before = stack.ffn_weights(2)
+        before = ref.ffn(2)
         torch.testing.assert_close(module.copies()[2][0][dropped], before[0][dropped])
-    moved = (module.copies()[2][2] - stack.ffn_weights(2)[2]).abs().max()
+    moved = (module.copies()[2][2] - ref.ffn(2)[2]).abs().max()
     assert moved > 1e-4  # and the kept ones were trained
 
 

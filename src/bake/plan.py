@@ -3,10 +3,12 @@
 A bake that does not fit should say so before it loads a model and trains for an hour. The plan
 counts what each stage holds from the model's sizes (:mod:`bake.models.shape`) and the
 composed settings, from first principles: fp32 weights as loaded (twice during the load), the
-FFN copies a phase trains with their gradients and Adam moments (16 bytes per parameter), the
-activations one step keeps for its backward, the head's logit blocks
-(:data:`bake.stack.LOGIT_BUDGET`), least squares' residual streams and the normal equations it
-allocates for every layer at once (float64), the artifact loaded back with its full logits, plus
+FFN weights a phase trains with their gradients and optimiser state (Phase B trains the bake's
+own tensors: 4 + 8 bytes per parameter with Adam; Phase A's copies 16), the activations one
+step keeps for its backward (or, with activation checkpointing, each layer's input), the head's
+logit blocks (:data:`bake.stack.LOGIT_BUDGET`), least squares' residual streams and its float64
+normal equations (one layer's, or every layer's on a looped model), the artifact loaded back
+with its full logits, plus
 a measured constant for the interpreter and its libraries. On CPU a stage's peak is the
 process's resident memory; on CUDA it is the memory the allocator holds on the device. Each
 term is checked against measured peaks (tests/test_memory_plan.py, benchmarks/memory.py).
@@ -159,8 +161,11 @@ def _kept(s: Shape, k: Knobs) -> int:
 OPT_STATE = {"adam": 8, "sgd": 4, "adafactor": 0}
 
 
-def _train_state(s: Shape, k: Knobs, layers: int, optimizer: str = "adam", block: int = 0) -> int:
-    """FFN copies of ``layers`` layers (4 bytes per parameter); gradients and optimiser state
+def _train_state(
+    s: Shape, k: Knobs, layers: int, optimizer: str = "adam", block: int = 0, copies: bool = True
+) -> int:
+    """FFN copies of ``layers`` layers (4 bytes per parameter; none when the weights train in
+    place, as Phase B's do without distillation); gradients and optimiser state
     of the layers that train at once (every one, or a group of ``block``): 4 + 8 bytes with
     Adam, 4 + 4 with SGD, 4 with Adafactor (plus a row and a column per matrix); on CUDA the
     foreach Adam's square-root temporaries, with DDP its gradient buckets (4 bytes more each);
@@ -169,9 +174,8 @@ def _train_state(s: Shape, k: Knobs, layers: int, optimizer: str = "adam", block
     per = 4 + OPT_STATE[optimizer] + (4 if k.world > 1 else 0)
     per += 4 if k.device == "cuda" and optimizer == "adam" else 0
     rows = 4 * 3 * (s.inter + s.hidden) if optimizer == "adafactor" else 0
-    copies = 4 * layers * s.ffn_params
     return (
-        copies
+        (4 * layers * s.ffn_params if copies else 0)
         + active * (per * s.ffn_params + rows)
         + (STEP_HEAP if k.device == "cpu" and layers else 0)
     )
@@ -216,13 +220,16 @@ def _least_squares(s: Shape, k: Knobs) -> tuple[int, int]:
     solve = 8 * max(i * i + h * i + kk * i + 2 * kk * kk, 3 * kk * kk + 2 * h * kk)
     batch = _eval(s, k, 8) + HEAP * 4 * 8 * k.chunk * (i + 2 * h)
     downs = s.layers * down  # the peak comes at the last layer (of the last pass)
+    # what the previous visit's solve left resident: its blocks below the mmap threshold stay
+    # in the heap (measured on the wide tiny models)
+    left = solve if 8 * i * i < HEAP_LIMIT else 0
     if s.loops > 1:  # every layer's equations still held at the second pass, and what each
         # visit's solve left resident (about its float64 right-hand side, measured at
-        # Nanbeige's width; small ones in the heap)
+        # Nanbeige's width)
         host = s.layers * normals
-        left = s.layers * 8 * h * kk + (solve if 8 * i * i < HEAP_LIMIT else 0)
+        left += s.layers * 8 * h * kk
     else:
-        host, left = normals, 0
+        host = normals
     if k.device == "cuda":  # the equations are summed and solved on the host
         return stream + sums + batch + downs, host + left + solve
     return stream + max(sums, solve) + batch + downs + left + host, 0
@@ -256,12 +263,14 @@ def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
         "phase_b": 0,
     }
     if k.b:
-        state = _train_state(s, k, k.b_layers, k.optimizer, k.block)
+        # Phase B trains the bake's own tensors in place, but for distillation (its teacher)
+        state = _train_state(s, k, k.b_layers, k.optimizer, k.block, copies=k.distill)
         active = min(k.block, k.b_layers) if k.block > 0 else k.b_layers
         b = state + max(_step(s, k, active), 16 * h * i, ev)
         out["phase_b"] = compute + carried + ls_downs + b
     exported = weights - 12 * h * (i - kk) * layers
-    final = 12 * h * i * (k.b_layers if k.b else 0) + ls_downs  # the repaired FFN weights
+    # the repaired FFN weights: least squares' down_proj, Phase B's copies with distillation
+    final = 12 * h * i * (k.b_layers if k.b and k.distill else 0) + ls_downs
     writing = compute + carried + final + 12 * h * kk
     logits = 4 * k.chunk * s.vocab * 6  # the artifact's logits, a masked copy, float64 and exp
     reading = base + RUNTIME + carried + exported + logits + _eval(s, k, 1)

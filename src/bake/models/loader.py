@@ -32,6 +32,13 @@ log = logging.getLogger("bake.model")
 _LOADED: dict[str, LoadedModel] = {}  # one backbone per process, shared by multirun jobs
 
 
+def forget(model: LoadedModel) -> None:
+    """No later bake of this process reuses ``model`` (its weights are about to change)."""
+    for memo, loaded in list(_LOADED.items()):
+        if loaded is model:
+            del _LOADED[memo]
+
+
 @dataclass
 class LoadedModel:
     """A frozen backbone, its tokenizer and the Stack bake runs it with."""

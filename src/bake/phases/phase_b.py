@@ -2,20 +2,22 @@
 mask active.
 
 Trainable state: copies of gate/up/down of those layers, starting from the weights the bake
-has so far (the backbone's, or the least-squares repair's). Plain Adam (no weight decay, so the
-weights behind dropped neurons stay put; ``optimizer`` may pick Adafactor, factored and without
-momentum, or SGD with momentum 0.9 instead), global-norm clip 1.0 over all trained tensors,
-cosine learning rate lr * 0.5 * (1 + cos(pi * s / steps)), divided by ``loops`` on a looped
-model (each physical FFN is visited ``loops`` times per token).
+has so far (the backbone's, or the least-squares repair's); with ``in_place``, those weights
+themselves (the pipeline saves them first and restores them when no evaluation is kept).
+Plain Adam (no weight decay, so the weights behind dropped neurons stay put; ``optimizer`` may
+pick Adafactor, factored and without momentum, or SGD with momentum 0.9 instead), global-norm
+clip 1.0 over all trained tensors, cosine learning rate lr * 0.5 * (1 + cos(pi * s / steps)),
+divided by ``loops`` on a looped model (each physical FFN is visited ``loops`` times per
+token). Step ``s`` trains on calibration chunk ``s % n_calib`` with the next-token loss, or,
+with ``distill`` > 0, with (1 - distill) * that loss + distill * KL(unpruned model || this
+one) on the same chunk; attention carries no gradient. The evaluation kept is
+:func:`bake.masks.select_repair`'s: the first strict minimum below the perplexity the repair
+started from.
 
 With ``block_layers`` = N > 0 the trained layers are repaired in groups of N, bottom first: the
 steps are split evenly between the groups, each group trains alone during its share with its own
 cosine schedule, and its optimiser state is dropped when the next group starts, so gradients
-and optimiser state exist for one group at a time. Step ``s`` trains on
-calibration chunk ``s % n_calib`` with the next-token loss, or, with ``distill`` > 0, with
-(1 - distill) * that loss + distill * KL(unpruned model || this one) on the same chunk;
-attention carries no gradient. The evaluation kept is :func:`bake.masks.select_repair`'s: the
-first strict minimum below the perplexity the repair started from.
+and optimiser state exist for one group at a time.
 """
 
 from __future__ import annotations
@@ -56,6 +58,10 @@ class PhaseBSettings:
     baseline: float = math.inf  # the held-out perplexity an evaluation must beat to be kept
     optimizer: str = "adam"  # adam | adafactor | sgd
     block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
+    # Train the weights it starts from in place (the backbone's, least squares'), not copies:
+    # the caller saves and restores them (bake.phases.stage_b); never with distillation,
+    # whose teacher is the backbone
+    in_place: bool = False
 
 
 def trained_layers(num_layers: int, n: int, all_layers: bool = False) -> list[int]:
@@ -121,9 +127,13 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         self.base = dict(base or {})  # fixed weights of the layers not trained here
         self.layer_ids = trained_layers(stack.num_layers, settings.layers, settings.all_layers)
         self.ffn = nn.ParameterList()
+        if settings.in_place and settings.distill > 0:
+            raise ValueError("in_place: the distillation teacher is the backbone's FFN")
         for li in self.layer_ids:
             for w in self.base.get(li) or stack.ffn_weights(li):
-                self.ffn.append(nn.Parameter(w.detach().clone()))
+                w = w.detach()  # an inference tensor cannot train: copied
+                own = settings.in_place and not w.is_inference()
+                self.ffn.append(nn.Parameter(w if own else w.clone()))
         self.starts = block_starts(settings.steps, len(self.layer_ids), settings.block_layers)
         self._block: int | None = None
         self.activate(0)

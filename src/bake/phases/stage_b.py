@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import gc
 import logging
+import os
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -67,7 +68,8 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
         ffn = repair.least_squares(
             stack, calib, keep.visits, keep.physical, b.ls_ridge, drift=b.ls_drift, base=start.ffn
         )
-        downs = {f"down.{li}": w[2].cpu().contiguous() for li, w in ffn.items()}
+        # copies made outside inference mode: Phase B may train them in place
+        downs = {f"down.{li}": ffn.pop(li)[2].cpu().clone() for li in sorted(ffn)}
         downs["mask"] = keep.visits.to(torch.uint8).flatten()
         _save_downs(path, downs)
     base = start.ffn or {}  # gate and up stay those the repair started from
@@ -122,6 +124,7 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
         start.ppl,
         str(b.optimizer),
         int(b.block_layers),
+        in_place=b.distill == 0,
     )
     resumable = {k: v for k, v in resolved(b).items() if k != "lr"}  # a resume may lower it
     key = digest(
@@ -149,10 +152,18 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
         start.ffn,
     )
     phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
+    rank = f"{os.environ.get('NODE_RANK', '0')}-{os.environ.get('LOCAL_RANK', '0')}"
+    start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank}.safetensors"  # per process
+    if settings.in_place:  # the weights it trains are the bake's own: saved to come back to
+        from bake.models import loader
+
+        loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
+        _save_start(start_file, module)
     trainer = make_trainer(cfg.trainer, phase_dir, b.steps, b.eval_every, "phase_b/select")
     t0 = time.perf_counter()
     fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
     evaluations, layers, kept = list(module.evaluations), list(module.layer_ids), module.choice()
+    live = [p.detach() for p in module.ffn] if settings.in_place else None
     info = {
         "enabled": True,
         "layers": layers,
@@ -167,20 +178,63 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
     del module, trainer  # free the copies and optimizer state before reading the best ones
     gc.collect()
     memory.trim()
-    out = outcome(evaluations, kept, best_state(phase_dir), start, layers)
+    best = best_state(phase_dir)
+    if live is not None:  # the trained tensors take the kept evaluation's values, or their own
+        _restore(live, best if kept is not None and best is not None else None, start_file)
+        best = {f"ffn.{i}": t for i, t in enumerate(live)} if kept is not None else None
+    out = outcome(evaluations, kept, best, start, layers, copy=live is None)
+    if live is not None:
+        start_file.unlink(missing_ok=True)
     (log.info if out.info["improved"] else log.warning)("[B] %s", out.info["note"])
     out.info = info | out.info
     return out
 
 
+def _save_start(path, module) -> None:
+    """The values the trained tensors start from, written one at a time (atomic): what an
+    in-place Phase B restores when no evaluation is kept."""
+    from bake.export import save_streaming
+    from bake.fsutil import atomic_write
+
+    tensors = [(f"ffn.{i}", tuple(p.shape), p.detach) for i, p in enumerate(module.ffn)]
+    if path.is_file():  # a resumed bake: written before its first step, from the same weights
+        return
+    with atomic_write(path) as tmp:
+        save_streaming(tmp, tensors, {"format": "pt"})
+
+
+@torch.no_grad()
+def _restore(live: list, best: dict | None, start_file) -> None:
+    """Copy the kept evaluation's values (``best``), or the saved starting values, into the
+    tensors an in-place Phase B trained, one tensor at a time."""
+    from safetensors import safe_open
+
+    if best is not None:
+        for i, t in enumerate(live):
+            t.copy_(best[f"ffn.{i}"])
+        return
+    with safe_open(str(start_file), framework="pt") as f:
+        for i, t in enumerate(live):
+            t.copy_(f.get_tensor(f"ffn.{i}"))
+
+
 def outcome(
-    evaluations: list[dict], kept: int | None, best: dict | None, start: Repaired, layers
+    evaluations: list[dict],
+    kept: int | None,
+    best: dict | None,
+    start: Repaired,
+    layers,
+    copy: bool = True,
 ) -> Repaired:
     """The trained copies of the kept evaluation (best.ckpt) over the weights Phase B started
-    from, or those weights when no evaluation was kept."""
+    from, or those weights when no evaluation was kept. ``copy=False``: ``best`` holds the
+    trained tensors themselves (an in-place Phase B), taken as they are."""
     if kept is not None and best is not None:
         ppl = evaluations[kept]["held_ppl"]
-        params = [best[f"ffn.{i}"].float().clone() for i in range(3 * len(layers))]
+        params = [
+            best[f"ffn.{i}"].float().clone() if copy else best[f"ffn.{i}"]
+            for i in range(3 * len(layers))
+        ]
         trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
         note = (
             f"restored the best copies: held-PPL {ppl:.3f} at step "
