@@ -23,6 +23,9 @@ tables:
 - vocab: the default at 20% with `export.vocab=task` against the same bake with every token
   (`main-default-20`): bits per byte, parameters, forward and greedy generation speed.
 - gemma3: `model=gemma3` at 20% and 30%, its dense row and Wanda-sp with the same repairs.
+- memory: the default at 20% with each setting that cuts memory (Phase B's optimiser, blocks
+  of layers repaired in turn, activation checkpointing): test perplexity against the default's,
+  peak resident memory and its ratio to the loaded model, wall time.
 - ablation: the default at 20% (its main row) with one part changed at a time.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
@@ -66,6 +69,22 @@ BUDGET = {
         0.2,
         [*LEARNED, "phase_b.lr=3e-5"],
     ),
+}
+# Settings that cut memory, at the default target: each against the default (memory-0).
+MEMORY = {
+    "default (Adam, every layer at once)": [],
+    "activation checkpointing + Adafactor": [
+        "trainer.activation_checkpointing=true",
+        "phase_b.optimizer=adafactor",
+    ],
+    "activation checkpointing + blocks of 6 layers": [
+        "trainer.activation_checkpointing=true",
+        "phase_b.block_layers=6",
+    ],
+    "Adafactor": ["phase_b.optimizer=adafactor"],
+    "blocks of 6 layers (5 groups of 24 steps)": ["phase_b.block_layers=6"],
+    "SGD, momentum 0.9, lr 0.1": ["phase_b.optimizer=sgd", "phase_b.lr=0.1"],
+    "activation checkpointing": ["trainer.activation_checkpointing=true"],
 }
 ABLATION = {
     "learned mask (phase_a=scheduled: controller, Wanda-initialised)": ["phase_a=scheduled"],
@@ -158,6 +177,14 @@ def rows() -> dict[str, dict]:
                 "args": ["model=gemma3", *args],
                 "compare": False,
             }
+    for i, (label, args) in enumerate(MEMORY.items()):
+        out[f"memory-{i}"] = {
+            "table": "memory",
+            "setting": label,
+            "target": 0.2,
+            "args": args,
+            "compare": False,
+        }
     for i, (label, args) in enumerate(ABLATION.items()):
         out[f"ablation-{i}-20"] = {
             "table": "ablation",
@@ -436,6 +463,28 @@ def line(r: dict, dense: dict | None = None) -> str:
     return " ".join(cells)
 
 
+def memory_line(r: dict, default: dict | None) -> str:
+    """A memory setting: test perplexity against the default's, the peak resident memory, its
+    ratio to the loaded model, the stage that sets it, wall time."""
+    rep = r["report"]
+    test, mem = rep["perplexity"]["test_exported"], rep["memory"]
+    vs = test / default["report"]["perplexity"]["test_exported"] if default else math.nan
+    stages = mem.get("stage_peaks_mb") or {}
+    stage = max(stages, key=lambda n: stages[n] or 0) if stages else "?"
+    cells = [
+        f"{r['setting']:<48}",
+        f"{test:>8.3f}",
+        f"{vs:>7.4f}",
+        f"{r['extra']['exported_outside']:>8.3f}",
+        f"{(mem.get('peak_mb') or math.nan) / 1024:>6.2f}",
+        f"{mem.get('peak_over_loaded') or math.nan:>6.2f}",
+        f"{stage:<14}",
+        f"{(rep['phase_b'].get('seconds_train') or math.nan) / 60:>6.1f}",
+        f"{r['wall_s'] / 60:>6.1f}",
+    ]
+    return " ".join(cells)
+
+
 def tables() -> str:
     done = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
     head = (
@@ -444,6 +493,15 @@ def tables() -> str:
         f"{'GiB':>5}"
     )
     out = []
+    memory = [done[n] for n in sorted(done) if n.startswith("memory-")]
+    if memory:
+        out += [
+            "",
+            "[memory]",
+            f"{'setting':<48} {'test':>8} {'/default':>7} {'outside':>8} {'GiB':>6} "
+            f"{'/load':>6} {'peak stage':<14} {'B min':>6} {'min':>6}",
+        ]
+        out += [memory_line(r, done.get("memory-0")) for r in memory]
     for table in ("main", "budget", "vocab", "gemma3", "ablation", "corpus"):
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
@@ -458,7 +516,7 @@ def tables() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tables", default="main,budget,vocab,gemma3,ablation,corpus")
+    p.add_argument("--tables", default="main,budget,vocab,gemma3,memory,ablation,corpus")
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")
