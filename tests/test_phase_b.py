@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import time
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,11 @@ def test_learning_rate_is_cosine_over_loops(tmp_path, loops):
         return original(optimizer)
 
     module.on_before_optimizer_step = spy
+    t0 = time.perf_counter()
     make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_b/select").fit(module)
+    wall = time.perf_counter() - t0
+    fwd_bwd, opt = module.timer.means()  # per step: within the fit's own time
+    assert module.timer.steps == 6 and 0 < fwd_bwd < wall / 6 and 0 <= opt < wall / 6
     expected = [1e-3 * masks.cosine_scale(k, 6) / loops for k in range(6)]
     assert seen == pytest.approx(expected, rel=1e-9)
     assert [lr_at(k, s, loops) for k in range(6)] == pytest.approx(expected)

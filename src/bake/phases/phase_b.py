@@ -190,6 +190,7 @@ class PhaseB(CalibrationSteps, L.LightningModule):
 
     def on_train_batch_start(self, batch, batch_idx) -> None:
         self.activate(self.global_step)
+        super().on_train_batch_start(batch, batch_idx)  # the step timer
 
     def configure_optimizers(self):
         opt = make_optimizer(self.s.optimizer, list(self.ffn.parameters()), self.s.lr)
