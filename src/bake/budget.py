@@ -89,11 +89,8 @@ def _changes(k: Knobs, layers: int) -> list[Change]:
         n //= 2
     if k.eval_batch > 1:
         out.append(("trainer.eval_batch_size=1", {"eval_batch": 1}))
-    if k.b and k.optimizer == "adam":
-        out += [
-            ("phase_b.optimizer=sgd", {"optimizer": "sgd"}),
-            ("phase_b.optimizer=adafactor", {"optimizer": "adafactor"}),
-        ]
+    if k.b and k.optimizer != "adafactor":  # less memory than SGD, and better (README)
+        out.append(("phase_b.optimizer=adafactor", {"optimizer": "adafactor"}))
     trained = min(k.b_layers, layers)
     block = (min(k.block, trained) if k.block > 0 else trained) // 2
     while k.b and block >= 1:

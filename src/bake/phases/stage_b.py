@@ -180,8 +180,9 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
     memory.trim()
     best = best_state(phase_dir)
     if live is not None:  # the trained tensors take the kept evaluation's values, or their own
-        _restore(live, best if kept is not None and best is not None else None, start_file)
-        best = {f"ffn.{i}": t for i, t in enumerate(live)} if kept is not None else None
+        chosen = best if kept is not None else None
+        _restore(live, chosen, start_file)
+        best = {f"ffn.{i}": t for i, t in enumerate(live)} if chosen is not None else None
     out = outcome(evaluations, kept, best, start, layers, copy=live is None)
     if live is not None:
         start_file.unlink(missing_ok=True)
