@@ -161,6 +161,12 @@ def _kept(s: Shape, k: Knobs) -> int:
 OPT_STATE = {"adam": 8, "sgd": 4, "adafactor": 0}
 
 
+def at_once(block: int, layers: int) -> int:
+    """How many of ``layers`` trained layers hold gradients and optimiser state at once
+    (``phase_b.block_layers``; 0: every one)."""
+    return min(block, layers) if block > 0 else layers
+
+
 def _train_state(
     s: Shape, k: Knobs, layers: int, optimizer: str = "adam", block: int = 0, copies: bool = True
 ) -> int:
@@ -170,7 +176,7 @@ def _train_state(
     Adam, 4 + 4 with SGD, 4 with Adafactor (plus a row and a column per matrix); on CUDA the
     foreach Adam's square-root temporaries, with DDP its gradient buckets (4 bytes more each);
     on CPU what a step leaves in the heap (STEP_HEAP)."""
-    active = min(block, layers) if block > 0 else layers
+    active = at_once(block, layers)
     per = 4 + OPT_STATE[optimizer] + (4 if k.world > 1 else 0)
     per += 4 if k.device == "cuda" and optimizer == "adam" else 0
     rows = 4 * 3 * (s.inter + s.hidden) if optimizer == "adafactor" else 0
@@ -269,8 +275,7 @@ def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
     if k.b:
         # Phase B trains the bake's own tensors in place, but for distillation (its teacher)
         state = _train_state(s, k, k.b_layers, k.optimizer, k.block, copies=k.distill)
-        active = min(k.block, k.b_layers) if k.block > 0 else k.b_layers
-        b = state + max(_step(s, k, active), 16 * h * i, ev)
+        b = state + max(_step(s, k, at_once(k.block, k.b_layers)), 16 * h * i, ev)
         out["phase_b"] = compute + carried + ls_downs + b
     exported = weights - 12 * h * (i - kk) * layers
     # the repaired FFN weights: least squares' down_proj, Phase B's copies with distillation
