@@ -198,3 +198,35 @@ def test_phase_b_in_place_exports_the_kept_evaluation_or_the_weights_it_started_
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_adafactor_takes_the_same_steps_as_transformers_adafactor():
+    """bake's in-place Adafactor against transformers' with Phase B's settings, bit for bit:
+    matrices of two shapes and a vector, a changing learning rate, a gradient large enough for
+    the update's RMS clip, a parameter that skips a step (no gradient)."""
+    from transformers.optimization import Adafactor as Reference
+
+    from bake.phases.adafactor import Adafactor
+
+    gen = torch.Generator().manual_seed(0)
+    start = [
+        torch.randn(37, 53, generator=gen),
+        torch.randn(53, 21, generator=gen),
+        torch.randn(11),
+    ]
+    ours, theirs = [p.clone() for p in start], [p.clone() for p in start]
+    a = Adafactor(ours, lr=1e-2)
+    b = Reference(theirs, lr=1e-2, scale_parameter=False, relative_step=False, warmup_init=False)
+    for t in range(6):
+        grads = [torch.randn(p.shape, generator=gen) * (30.0 if t == 2 else 1.0) for p in start]
+        for k, g in enumerate(grads):
+            skip = t == 3 and k == 1
+            ours[k].grad = None if skip else g.clone()
+            theirs[k].grad = None if skip else g.clone()
+        for opt in (a, b):
+            opt.param_groups[0]["lr"] = 1e-2 * (1.0 + t) / 3
+        a.step()
+        b.step()
+        for mine, ref in zip(ours, theirs, strict=True):
+            assert torch.equal(mine, ref), f"step {t}: {float((mine - ref).abs().max())}"
+    assert not torch.equal(ours[0], start[0])

@@ -173,20 +173,19 @@ def _train_state(
     """FFN copies of ``layers`` layers (4 bytes per parameter; none when the weights train in
     place, as Phase B's do without distillation); gradients and optimiser state
     of the layers that train at once (every one, or a group of ``block``): 4 + 8 bytes with
-    Adam, 4 + 4 with SGD, 4 with Adafactor (plus a row and a column per matrix); on CUDA the
+    Adam, 4 + 4 with SGD, 4 with Adafactor (plus a row and a column per matrix, and one scratch
+    matrix: bake.phases.adafactor forms each update in place there); on CUDA the
     foreach Adam's square-root temporaries, with DDP its gradient buckets (4 bytes more each);
     on CPU what a step leaves in the heap (STEP_HEAP)."""
     active = at_once(block, layers)
     per = 4 + OPT_STATE[optimizer] + (4 if k.world > 1 else 0)
     per += 4 if k.device == "cuda" and optimizer == "adam" else 0
     rows = 4 * 3 * (s.inter + s.hidden) if optimizer == "adafactor" else 0
-    if optimizer == "adafactor" and k.device == "cpu":
-        # its per-matrix temporaries fragment the heap: about a second set of the gradients
-        # stays resident between steps (measured on SmolLM2: 1895 MiB against 1640 without)
-        per += 4
+    scratch = 4 * s.hidden * s.inter if optimizer == "adafactor" and layers else 0
     return (
         (4 * layers * s.ffn_params if copies else 0)
         + active * (per * s.ffn_params + rows)
+        + scratch
         + (STEP_HEAP if k.device == "cpu" and layers else 0)
     )
 

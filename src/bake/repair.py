@@ -77,6 +77,7 @@ def least_squares(
     batch: int = 8,
     drift: float = 0.5,
     base: FfnOverride | None = None,
+    downs: Tensor | None = None,
 ) -> dict[int, FfnWeights]:
     """Repaired FFN weights of every physical layer (gate, up unchanged; ``down_proj`` with its
     kept columns solved and its dropped columns zero), from one pass over ``calib`` [n, seq].
@@ -84,7 +85,10 @@ def least_squares(
     ``visits`` [num_virtual, inter] and ``physical`` [num_layers, inter] are the keep masks
     that ship (bool); ``drift`` in [0, 1] (see the module docstring). ``base``: the FFN
     weights of the UNPRUNED model to reconstruct, where they are not the backbone's (a Phase A
-    that trained them); gate and up stay those.
+    that trained them); gate and up stay those. ``downs`` [num_layers, hidden, inter]: where
+    the solved ``down_proj`` matrices are written (allocated here when None); one block, so
+    that long-lived matrices are not scattered through the heap between the passes'
+    temporaries.
     """
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift={drift}: not in [0, 1]")
@@ -99,6 +103,13 @@ def least_squares(
     # model that does not loop, every layer's from the second pass on a looped one.
     normals: dict[int, _Normal] = {}
     out: dict[int, FfnWeights] = {}
+    if downs is None:
+        wd = stack.ffn_weights(0)[2]
+        downs = torch.zeros(stack.num_layers, *wd.shape, dtype=wd.dtype, device=device)
+    # the per-batch sums in float32, added into the float64 ones: buffers reused across batches
+    # (as many short-lived blocks of these sizes fragment the C heap on CPU)
+    part = h.new_empty(inter, inter)
+    part_x = h.new_empty(stack.hidden_size, inter) if stream else None
     last = stack.num_virtual - 1
     for v in range(stack.num_virtual):
         li = v % stack.num_layers
@@ -111,19 +122,19 @@ def least_squares(
             h[i : i + batch] = x
             a = stack.activations(stack.ffn_input(li, x), wg, wu)
             a2 = a.reshape(-1, inter)
-            gram += (a2.T @ a2).double()
+            gram += torch.mm(a2.T, a2, out=part)
             if h_o is not None:  # the drift part of the target; W a's part is W G below
                 x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
                 y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
                 h_o[i : i + batch] = x_o + y_o
                 off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
-                cross += (off.T @ a2).double()
+                cross += torch.mm(off.T, a2, out=part_x)
         cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
         if li not in normals:
             normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
         normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
         del gram, cross
-        down = torch.zeros_like(wd)
+        down = downs[li].zero_()
         down[:, normals[li].kept.to(device)] = normals[li].solve(ridge).to(device, wd.dtype)
         if v + stack.num_layers > last:  # no later visit of this layer adds to its equations
             del normals[li]

@@ -93,12 +93,9 @@ def lr_at(step: int, settings: PhaseBSettings, loops: int, layers: int = 1) -> f
 def make_optimizer(name: str, params: list, lr: float) -> torch.optim.Optimizer:
     """Phase B's optimiser (no weight decay: the weights behind dropped neurons stay put)."""
     if name == "adafactor":
-        from transformers.optimization import Adafactor
+        from bake.phases.adafactor import Adafactor
 
-        # the learning rate as Adam's (absolute, not relative to the weights' scale)
-        return Adafactor(
-            params, lr=lr, scale_parameter=False, relative_step=False, warmup_init=False
-        )
+        return Adafactor(params, lr=lr)  # an absolute learning rate, as Adam's
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)

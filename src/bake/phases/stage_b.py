@@ -63,20 +63,31 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
             "Gemma's): each layer's repair reconstructs the layer itself (drift 0)",
             b.ls_drift,
         )
-    if downs.get("mask") is None or digest(downs["mask"].tolist()) != mask_key:
+    stale = downs.get("mask") is None or digest(downs["mask"].tolist()) != mask_key
+    if stale or "down" not in downs:  # (a run of an earlier version kept one key per layer)
         calib = ctx.corpus.calib[: b.ls_chunks]
-        ffn = repair.least_squares(
-            stack, calib, keep.visits, keep.physical, b.ls_ridge, drift=b.ls_drift, base=start.ffn
+        # every layer's solution in one block, made outside inference mode: Phase B may train
+        # it in place
+        wd = stack.ffn_weights(0)[2]
+        solved = torch.zeros(stack.num_layers, *wd.shape, dtype=wd.dtype, device=wd.device)
+        repair.least_squares(
+            stack,
+            calib,
+            keep.visits,
+            keep.physical,
+            b.ls_ridge,
+            drift=b.ls_drift,
+            base=start.ffn,
+            downs=solved,
         )
-        # copies made outside inference mode: Phase B may train them in place
-        downs = {f"down.{li}": ffn.pop(li)[2].cpu().clone() for li in sorted(ffn)}
-        downs["mask"] = keep.visits.to(torch.uint8).flatten()
+        downs = {"down": solved, "mask": keep.visits.to(torch.uint8).flatten()}
         _save_downs(path, downs)
+    solved = downs["down"].to(stack.device)
     base = start.ffn or {}  # gate and up stay those the repair started from
     ffn = {}
     for li in range(stack.num_layers):
         wg, wu = (base.get(li) or stack.ffn_weights(li))[:2]
-        ffn[li] = (wg, wu, downs[f"down.{li}"].to(stack.device))
+        ffn[li] = (wg, wu, solved[li])
     ppl = ctx.held_ppl(keep.visits, ffn)
     kept = masks.select_repair([ppl], start.ppl) is not None
     info = {
@@ -100,7 +111,7 @@ def _save_downs(path, downs: dict) -> None:
     from bake.fsutil import atomic_write
 
     with atomic_write(path) as tmp:
-        save_file(downs, str(tmp))
+        save_file({k: v.cpu() for k, v in downs.items()}, str(tmp))
 
 
 def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) -> Repaired:
