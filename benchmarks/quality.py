@@ -24,9 +24,9 @@ tables:
   (`main-default-20`): bits per byte, parameters, forward and greedy generation speed.
 - gemma3: `model=gemma3` at 20% and 30%, its dense row and Wanda-sp with the same repairs.
 - memory: the default at 20% with each setting that cuts memory (Phase B's optimiser, blocks
-  of layers repaired in turn, activation checkpointing): test perplexity against the previous
-  default's (Adam, no checkpointing), peak resident memory and its ratio to the loaded model,
-  wall time.
+  of layers repaired in turn, activation checkpointing, bf16 frozen weights): test perplexity
+  against the previous default's (Adam, no checkpointing), peak resident memory and its ratio
+  to the loaded model, wall time.
 - ablation: the default at 20% (its main row) with one part changed at a time.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
@@ -86,6 +86,7 @@ MEMORY = {
         "phase_b.lr=0.1",
     ],
     "Adam, activation checkpointing": ADAM,
+    "frozen weights stored in bf16 (attention, embedding, head)": ["trainer.frozen_weights=bf16"],
 }
 ABLATION = {
     "learned mask (phase_a=scheduled: controller, Wanda-initialised)": ["phase_a=scheduled"],

@@ -115,6 +115,7 @@ def test_a_limit_below_any_setting_says_so(tmp_path, capsys, no_load):
             "trainer.activation_checkpointing=true",
             "phase_b.block_layers=1",
             "phase_b.optimizer=adafactor",
+            "trainer.frozen_weights=bf16",
         ],
     ],
     ids=["tiny", "tiny_looped_wide", "tiny_wide_memory_settings"],

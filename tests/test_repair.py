@@ -91,3 +91,40 @@ def test_nothing_pruned_gives_back_the_original_weights():
     got = repair.least_squares(stack, calib, keep, keep, 1e-10, 2, drift=0.0)
     for i in range(3):
         torch.testing.assert_close(got[i][2], stack.ffn_weights(i)[2], rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.bake
+@pytest.mark.parametrize("kept", [True, False])
+def test_least_squares_in_place_ships_its_solution_or_the_backbone(
+    tmp_path, docs_dir, monkeypatch, kept
+):
+    """On the default path least squares writes its solution over the backbone's down_proj:
+    a kept repair ships the solution the run saved for its resume, one that is not kept ships
+    exactly what the same bake ships without least squares; the saved originals are removed."""
+    from conftest import last_run, report, run_bake, tiny_args
+    from safetensors.torch import load_file
+
+    from bake import masks
+
+    base = ["phase_a=flap", "phase_b.enabled=false", "tracking.enabled=false"]
+    choose = masks.select_repair if kept else (lambda ppls, baseline: None)
+    monkeypatch.setattr(masks, "select_repair", choose)
+    assert run_bake(tiny_args(tmp_path / "ls", docs_dir, *base, "phase_b.least_squares=true")) == 0
+    run = last_run(tmp_path / "ls")
+    assert report(run)["least_squares"]["improved"] is kept
+    assert not list((run / "checkpoints").glob("least_squares_start*"))
+    got = load_file(run / "model" / "model.safetensors")
+    if kept:
+        solved = load_file(run / "checkpoints" / "least_squares.safetensors")
+        physical = load_file(run / "masks.safetensors")["keep"].bool()
+        for li in range(physical.shape[0]):
+            idx = physical[li].nonzero().squeeze(1)
+            want = solved[f"down.{li}"][:, idx]
+            assert torch.equal(got[f"model.layers.{li}.mlp.down_proj.weight"], want), li
+        return
+    off = [*base, "phase_b.least_squares=false"]
+    assert run_bake(tiny_args(tmp_path / "off", docs_dir, *off)) == 0
+    want = load_file(last_run(tmp_path / "off") / "model" / "model.safetensors")
+    assert got.keys() == want.keys()
+    for name in want:
+        assert torch.equal(got[name], want[name]), name

@@ -90,6 +90,8 @@ def _changes(k: Knobs, layers: int) -> list[Change]:
         n //= 2
     if k.eval_batch > 1:
         out.append(("trainer.eval_batch_size=1", {"eval_batch": 1}))
+    if not k.bf16:  # the frozen weights rounded to bf16 (exact for a bf16 checkpoint)
+        out.append(("trainer.frozen_weights=bf16", {"bf16": True}))
     if k.b and k.optimizer != "adafactor":  # less memory than SGD, and better (README)
         out.append(("phase_b.optimizer=adafactor", {"optimizer": "adafactor"}))
     block = at_once(k.block, min(k.b_layers, layers)) // 2

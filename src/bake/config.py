@@ -75,6 +75,11 @@ class Optimizer(StrEnum):
     sgd = "sgd"  # SGD with momentum 0.9: one fp32 buffer per trained weight (4 bytes)
 
 
+class FrozenWeights(StrEnum):
+    fp32 = "fp32"  # as loaded
+    bf16 = "bf16"  # attention, embedding and head rounded to bf16 once, computed in fp32
+
+
 class Precision(StrEnum):
     auto = "auto"  # bf16 autocast on CUDA, fp32 elsewhere
     fp32 = "fp32"
@@ -188,6 +193,7 @@ class TrainerConf:
     eval_batch_size: int = 4
     memory_limit_gib: float | None = None
     activation_checkpointing: bool = False
+    frozen_weights: FrozenWeights = FrozenWeights.fp32
     callbacks: list[Any] = field(default_factory=list)
 
 

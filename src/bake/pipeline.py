@@ -206,6 +206,13 @@ def _load(ctx: Ctx) -> None:
     )
     ctx.device = resolve_device(cfg.trainer.accelerator)
     ctx.precision = resolve_precision(ctx.device, str(cfg.phase_a.eval_precision))
+    if str(cfg.trainer.frozen_weights) == "bf16":
+        from bake.frozen import store_bf16
+        from bake.models.loader import forget
+
+        forget(ctx.model)  # its weights change: a later bake of this process loads them anew
+        store_bf16(ctx.model.lm)
+        memory.trim()
     ctx.model.lm.to(ctx.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
     stack, corpus = ctx.model.stack, ctx.corpus
     stack.checkpoint = bool(cfg.trainer.activation_checkpointing)

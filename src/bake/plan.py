@@ -2,7 +2,8 @@
 
 A bake that does not fit should say so before it loads a model and trains for an hour. The plan
 counts what each stage holds from the model's sizes (:mod:`bake.models.shape`) and the
-composed settings, from first principles: fp32 weights as loaded (twice during the load), the
+composed settings, from first principles: fp32 weights as loaded (twice during the load; with
+``trainer.frozen_weights=bf16`` the frozen ones in bf16 after it), the
 FFN weights a phase trains with their gradients and optimiser state (Phase B trains the bake's
 own tensors: 4 + 8 bytes per parameter with Adam; Phase A's copies 16), the activations one
 step keeps for its backward (or, with activation checkpointing, each layer's input), the head's
@@ -15,7 +16,7 @@ term is checked against measured peaks (tests/test_memory_plan.py, benchmarks/me
 
 The stages carry what the pipeline keeps across them: Phase A's trained FFN (with
 ``phase_a.train_ffn``) stays referenced to the end of the bake, least squares' ``down_proj``
-matrices into Phase B and the export.
+matrices into Phase B and the export (where they are not written over the backbone's).
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ class Knobs:
     optimizer: str = "adam"  # phase_b.optimizer
     block: int = 0  # phase_b.block_layers: layers with gradients and optimiser state at once
     ckpt: bool = False  # trainer.activation_checkpointing
+    bf16: bool = False  # trainer.frozen_weights=bf16: attention, embedding, head in bf16
     base: int = BASE  # the process before the model: interpreter, libraries, corpus (CPU)
 
     @classmethod
@@ -113,6 +115,7 @@ class Knobs:
             optimizer=str(get("phase_b.optimizer", "adam")),
             block=int(get("phase_b.block_layers", 0)),
             ckpt=bool(get("trainer.activation_checkpointing", False)),
+            bf16=str(get("trainer.frozen_weights", "fp32")) == "bf16",
         )
 
 
@@ -217,18 +220,19 @@ def _phase_a(s: Shape, k: Knobs, ev: int) -> int:
 
 
 def _least_squares(s: Shape, k: Knobs) -> tuple[int, int]:
-    """(device, host) bytes: the residual stream(s) of every calibration chunk (and the batches
-    the first was assembled from), one layer's float64 sums, the solved ``down_proj`` matrices,
+    """(device, host) bytes: the residual stream(s) of every calibration chunk, one layer's
+    float64 sums, the solved ``down_proj`` matrices (none when they overwrite the backbone's),
     one batch's forward; a layer's normal equations (on the host when the device is a GPU)
     exist from its first visit to its last: one layer's at a time on a model that does not
     loop, every layer's on a looped one."""
     h, i, kk = s.hidden, s.inter, _kept(s, k)
     normals, down = 8 * (kk * kk + h * kk), 4 * h * i
-    stream = min(k.ls_chunks, k.calib) * k.chunk * h * 4 * (3 if k.ls_stream else 2)
+    stream = min(k.ls_chunks, k.calib) * k.chunk * h * 4 * (2 if k.ls_stream else 1)
     sums = 8 * max(5 * i * i // 2 + h * i, i * i + 4 * h * i)
     solve = 8 * max(i * i + h * i + kk * i + 2 * kk * kk, 3 * kk * kk + 2 * h * kk)
     batch = _eval(s, k, 8) + HEAP * 4 * 8 * k.chunk * (i + 2 * h)
-    downs = s.layers * down  # the peak comes at the last layer (of the last pass)
+    # the peak comes at the last layer (of the last pass); none written over the backbone's
+    downs = 0 if ls_in_place(s, k) else s.layers * down
     # what the previous visit's solve left resident: its blocks below the mmap threshold stay
     # in the heap (measured on the wide tiny models)
     left = solve if 8 * i * i < HEAP_LIMIT else 0
@@ -244,11 +248,25 @@ def _least_squares(s: Shape, k: Knobs) -> tuple[int, int]:
     return stream + max(sums, solve) + batch + downs + left + host, 0
 
 
+def resident(s: Shape, k: Knobs) -> int:
+    """The model's weights as the bake holds them: fp32, or with ``trainer.frozen_weights=bf16``
+    2 bytes for each weight that never trains (all but the FFN and the norms)."""
+    frozen = s.params - s.layers * (s.ffn_params + 2 * s.hidden) - s.hidden
+    return 4 * s.params - (2 * frozen if k.bf16 else 0)
+
+
+def ls_in_place(s: Shape, k: Knobs) -> bool:
+    """Whether least squares writes its solution over the backbone's ``down_proj``
+    (bake.phases.stage_b.least_squares): not on a looped model, not after a Phase A that trained
+    the FFN, not with distillation."""
+    return s.loops == 1 and not k.a_ffn and not k.distill
+
+
 def loaded(s: Shape, k: Knobs) -> int:
     """What the process (or the device) holds once model and corpus are loaded: what every
     later stage holds more than."""
     base = 0 if k.device == "cuda" else k.base + (TRACKING if k.tracking else 0)
-    return base + TOKENIZER * s.tokenizer * (k.device != "cuda") + 4 * s.params
+    return base + TOKENIZER * s.tokenizer * (k.device != "cuda") + resident(s, k)
 
 
 def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
@@ -256,16 +274,16 @@ def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
     for a stage that does not run."""
     gpu = k.device == "cuda"
     h, i, layers, kk = s.hidden, s.inter, s.layers, _kept(s, k)
-    weights = 4 * s.params
+    weights = resident(s, k)
     base = loaded(s, k) - weights
     carried = 12 * layers * h * i if k.a_ffn else 0  # Phase A's trained FFN, to the end
     # Phase A's module (its copies and moments) is collected only after least squares
     lingering = 12 * layers * s.ffn_params if k.a_ffn else 0
-    ls_downs = layers * 4 * h * i if k.ls else 0
+    ls_downs = layers * 4 * h * i if k.ls and not ls_in_place(s, k) else 0
     compute = base + RUNTIME + weights
     ev = _eval(s, k, k.eval_batch)
     out = {
-        "load": base + (weights if gpu else _load(s, weights)),
+        "load": base + (weights if gpu else _load(s, 4 * s.params)),
         "backbone_eval": compute + ev,
         "phase_a": compute + _phase_a(s, k, ev),
         "least_squares": compute + carried + lingering + _least_squares(s, k)[0] if k.ls else 0,
@@ -276,7 +294,7 @@ def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
         state = _train_state(s, k, k.b_layers, k.optimizer, k.block, copies=k.distill)
         b = state + max(_step(s, k, at_once(k.block, k.b_layers)), 16 * h * i, ev)
         out["phase_b"] = compute + carried + ls_downs + b
-    exported = weights - 12 * h * (i - kk) * layers
+    exported = 4 * s.params - 12 * h * (i - kk) * layers  # written in fp32
     # the repaired FFN weights: least squares' down_proj, Phase B's copies with distillation
     final = 12 * h * i * (k.b_layers if k.b and k.distill else 0) + ls_downs
     writing = compute + carried + final + 12 * h * kk

@@ -28,7 +28,7 @@ float64; the solve is a float64 Cholesky.
 from __future__ import annotations
 
 import logging
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -77,7 +77,7 @@ def least_squares(
     batch: int = 8,
     drift: float = 0.5,
     base: FfnOverride | None = None,
-    downs: Tensor | None = None,
+    downs: Sequence[Tensor] | None = None,
 ) -> dict[int, FfnWeights]:
     """Repaired FFN weights of every physical layer (gate, up unchanged; ``down_proj`` with its
     kept columns solved and its dropped columns zero), from one pass over ``calib`` [n, seq].
@@ -85,17 +85,22 @@ def least_squares(
     ``visits`` [num_virtual, inter] and ``physical`` [num_layers, inter] are the keep masks
     that ship (bool); ``drift`` in [0, 1] (see the module docstring). ``base``: the FFN
     weights of the UNPRUNED model to reconstruct, where they are not the backbone's (a Phase A
-    that trained them); gate and up stay those. ``downs`` [num_layers, hidden, inter]: where
-    the solved ``down_proj`` matrices are written (allocated here when None); one block, so
-    that long-lived matrices are not scattered through the heap between the passes'
-    temporaries.
+    that trained them); gate and up stay those. ``downs``: one tensor per physical layer that
+    its solved ``down_proj`` is written into (new ones when None); on a model that does not
+    loop they may be the backbone's own ``down_proj`` (each is read for the last time before its
+    layer's solution overwrites it), never on a looped one (its later passes read them).
     """
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift={drift}: not in [0, 1]")
     stream = drift > 0 and not stack.sandwich
     device = stack.device
     n = calib.shape[0]
-    h = torch.cat([stack.embed(calib[i : i + batch].to(device)) for i in range(0, n, batch)])
+    first = stack.embed(calib[:batch].to(device))
+    h = first.new_empty(n, *first.shape[1:])  # filled in place: never a second copy of it
+    h[: first.shape[0]] = first
+    for i in range(batch, n, batch):
+        h[i : i + batch] = stack.embed(calib[i : i + batch].to(device))
+    del first
     h_o = h.clone() if stream else None  # the unpruned stream
     ropes, amasks = stack.positions(h[:1])
     inter = stack.inter
@@ -103,9 +108,11 @@ def least_squares(
     # model that does not loop, every layer's from the second pass on a looped one.
     normals: dict[int, _Normal] = {}
     out: dict[int, FfnWeights] = {}
+    layers = range(stack.num_layers)
     if downs is None:
-        wd = stack.ffn_weights(0)[2]
-        downs = torch.zeros(stack.num_layers, *wd.shape, dtype=wd.dtype, device=device)
+        downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
+    if stack.loops > 1 and any(downs[li] is stack.ffn_weights(li)[2] for li in layers):
+        raise ValueError("least_squares: a looped model's down_proj cannot take the solution")
     # the per-batch sums in float32, added into the float64 ones: buffers reused across batches
     # (as many short-lived blocks of these sizes fragment the C heap on CPU)
     part = h.new_empty(inter, inter)

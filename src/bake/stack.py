@@ -322,7 +322,7 @@ def _head_pass(rows: Tensor, weight: Tensor, targets: Tensor, grad: bool):
     picked = torch.zeros(n, dtype=dt, device=rows.device)
     acc = torch.zeros(n, rows.shape[1], dtype=rows.dtype, device=rows.device) if grad else None
     for j0 in range(0, vocab, block):
-        w = weight[j0 : j0 + block]
+        w = weight[j0 : j0 + block].to(rows.dtype)  # a head stored in bf16: upcast per block
         logits = (rows @ w.T).to(dt)
         here = ((targets >= j0) & (targets < j0 + block)).nonzero().squeeze(1)
         picked[here] = logits[here, targets[here] - j0]
@@ -336,7 +336,7 @@ def _head_pass(rows: Tensor, weight: Tensor, targets: Tensor, grad: bool):
     nll = m + s.log() - picked
     if acc is None:
         return nll, None
-    return nll, acc.div_(s[:, None].to(acc.dtype)).sub_(weight[targets])
+    return nll, acc.div_(s[:, None].to(acc.dtype)).sub_(weight[targets].to(acc.dtype))
 
 
 def _nll_sum(rows: Tensor, weight: Tensor, targets: Tensor) -> Tensor:
@@ -376,7 +376,7 @@ def _lse(rows: Tensor, weight: Tensor, dt: torch.dtype) -> Tensor:
     m = torch.full((n,), -math.inf, dtype=dt, device=rows.device)
     s = torch.zeros(n, dtype=dt, device=rows.device)
     for j0 in range(0, vocab, block):
-        logits = (rows @ weight[j0 : j0 + block].T).to(dt)
+        logits = (rows @ weight[j0 : j0 + block].to(rows.dtype).T).to(dt)
         m_new = torch.maximum(m, logits.amax(dim=1))
         s = s * torch.exp(m - m_new) + logits.sub_(m_new[:, None]).exp_().sum(dim=1)
         m = m_new
@@ -400,7 +400,7 @@ class _HeadDistill(torch.autograd.Function):
         picked = torch.zeros(n, dtype=dt, device=rows.device)
         grad = torch.zeros_like(rows)
         for j0 in range(0, vocab, block):
-            w = weight[j0 : j0 + block]
+            w = weight[j0 : j0 + block].to(rows.dtype)
             log_s = (rows @ w.T).to(dt).sub_(lse_s[:, None])
             log_t = (teacher @ w.T).to(dt).sub_(lse_t[:, None])
             here = ((targets >= j0) & (targets < j0 + block)).nonzero().squeeze(1)
@@ -409,7 +409,7 @@ class _HeadDistill(torch.autograd.Function):
             kl += (p_t * (log_t - log_s)).sum(dim=1)
             g = log_s.exp_().sub_(p_t, alpha=alpha)  # p_s - alpha * p_t
             grad.addmm_(g.to(grad.dtype), w)
-        grad.sub_(weight[targets], alpha=1.0 - alpha).div_(n)
+        grad.sub_(weight[targets].to(grad.dtype), alpha=1.0 - alpha).div_(n)
         ctx.save_for_backward(grad)
         loss = (1.0 - alpha) * (-picked) + alpha * kl
         return (loss.sum(dtype=torch.float64) / n).to(rows.dtype)

@@ -41,10 +41,16 @@ class Repaired:
 
 def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
     """The closed-form repair of every layer's ``down_proj`` (``phase_b.least_squares``),
-    computed once per run directory (a resumed bake reads it back)."""
-    from safetensors.torch import load_file
+    computed once per run directory (a resumed bake reads it back).
 
+    On the default path (a model that does not loop, no FFN trained by Phase A, no
+    distillation) the solution is written over the backbone's ``down_proj`` tensors, whose
+    values are saved first and restored when the repair is not kept: no second set of them is
+    held through least squares, Phase B and the export. A looped model's later passes read the
+    unpruned ``down_proj``, and distillation's teacher is the backbone: separate tensors there.
+    """
     from bake import repair
+    from bake.models import loader
 
     b = ctx.cfg.phase_b
     if not b.least_squares:
@@ -55,41 +61,48 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
     t0 = time.perf_counter()
     stack = ctx.model.stack
     path = ctx.run_dir / "checkpoints" / "least_squares.safetensors"
-    mask_key = digest(keep.visits.to(torch.uint8).flatten().tolist())
-    downs = load_file(path) if path.is_file() else {}
+    mask = keep.visits.to(torch.uint8).flatten()
+    saved = _read_downs(path, mask, stack.num_layers)
     if stack.sandwich and b.ls_drift > 0:
         log.warning(
             "phase_b.ls_drift=%s is not used by this model's layers (a norm after the FFN, as "
             "Gemma's): each layer's repair reconstructs the layer itself (drift 0)",
             b.ls_drift,
         )
-    stale = downs.get("mask") is None or digest(downs["mask"].tolist()) != mask_key
-    if stale or "down" not in downs:  # (a run of an earlier version kept one key per layer)
-        calib = ctx.corpus.calib[: b.ls_chunks]
-        # every layer's solution in one block, made outside inference mode: Phase B may train
-        # it in place
-        wd = stack.ffn_weights(0)[2]
-        solved = torch.zeros(stack.num_layers, *wd.shape, dtype=wd.dtype, device=wd.device)
+    layers = range(stack.num_layers)
+    in_place = start.ffn is None and b.distill == 0 and stack.loops == 1
+    originals = ctx.run_dir / "checkpoints" / f"least_squares_start.{_rank()}.safetensors"
+    if in_place:
+        loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
+        downs = [stack.ffn_weights(li)[2] for li in layers]
+        save_values(originals, downs)
+    else:  # made outside inference mode: Phase B may train them in place
+        downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
+    if saved is None:
         repair.least_squares(
             stack,
-            calib,
+            ctx.corpus.calib[: b.ls_chunks],
             keep.visits,
             keep.physical,
             b.ls_ridge,
             drift=b.ls_drift,
             base=start.ffn,
-            downs=solved,
+            downs=downs,
         )
-        downs = {"down": solved, "mask": keep.visits.to(torch.uint8).flatten()}
-        _save_downs(path, downs)
-    solved = downs["down"].to(stack.device)
+        _save_downs(path, downs, mask)
+    else:
+        with torch.no_grad():
+            for d, value in zip(downs, saved, strict=True):
+                d.copy_(value)
+        del saved
     base = start.ffn or {}  # gate and up stay those the repair started from
-    ffn = {}
-    for li in range(stack.num_layers):
-        wg, wu = (base.get(li) or stack.ffn_weights(li))[:2]
-        ffn[li] = (wg, wu, solved[li])
+    ffn = {li: (*(base.get(li) or stack.ffn_weights(li))[:2], downs[li]) for li in layers}
     ppl = ctx.held_ppl(keep.visits, ffn)
     kept = masks.select_repair([ppl], start.ppl) is not None
+    if in_place:
+        if not kept:
+            restore_values(downs, originals)
+        originals.unlink(missing_ok=True)
     info = {
         "enabled": True,
         "held_ppl": ppl,
@@ -104,14 +117,32 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
     return Repaired(ffn, ppl, info)
 
 
-def _save_downs(path, downs: dict) -> None:
+def _rank() -> str:
+    """This process's name among a run's DDP processes (for the files each one writes)."""
+    return f"{os.environ.get('NODE_RANK', '0')}-{os.environ.get('LOCAL_RANK', '0')}"
+
+
+def _read_downs(path, mask, layers: int) -> list | None:
+    """A run's saved least-squares solution, when it was made for this keep mask."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    saved = load_file(path)
+    if saved.get("mask") is None or digest(saved["mask"].tolist()) != digest(mask.tolist()):
+        return None
+    return [saved[f"down.{li}"] for li in range(layers)]
+
+
+def _save_downs(path, downs: list, mask) -> None:
     """The repaired ``down_proj`` weights of a run, for its resume (atomic)."""
     from safetensors.torch import save_file
 
     from bake.fsutil import atomic_write
 
+    tensors = {f"down.{li}": d.detach().cpu() for li, d in enumerate(downs)}
     with atomic_write(path) as tmp:
-        save_file({k: v.cpu() for k, v in downs.items()}, str(tmp))
+        save_file(tensors | {"mask": mask.cpu()}, str(tmp))
 
 
 def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) -> Repaired:
@@ -163,13 +194,13 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
         start.ffn,
     )
     phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
-    rank = f"{os.environ.get('NODE_RANK', '0')}-{os.environ.get('LOCAL_RANK', '0')}"
-    start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank}.safetensors"  # per process
+    start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{_rank()}.safetensors"
     if settings.in_place:  # the weights it trains are the bake's own: saved to come back to
         from bake.models import loader
 
         loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
-        _save_start(start_file, module)
+        if not start_file.is_file():  # (a resumed bake wrote it before its first step)
+            save_values(start_file, list(module.ffn))
     trainer = make_trainer(cfg.trainer, phase_dir, b.steps, b.eval_every, "phase_b/select")
     t0 = time.perf_counter()
     fit(trainer, module, resume_point(phase_dir) if cfg.resume else None)
@@ -191,9 +222,14 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
     memory.trim()
     best = best_state(phase_dir)
     if live is not None:  # the trained tensors take the kept evaluation's values, or their own
-        chosen = best if kept is not None else None
-        _restore(live, chosen, start_file)
-        best = {f"ffn.{i}": t for i, t in enumerate(live)} if chosen is not None else None
+        if kept is not None and best is not None:
+            with torch.no_grad():
+                for i, t in enumerate(live):
+                    t.copy_(best[f"ffn.{i}"])
+            best = {f"ffn.{i}": t for i, t in enumerate(live)}
+        else:
+            restore_values(live, start_file)
+            best = None
     out = outcome(evaluations, kept, best, start, layers, copy=live is None)
     if live is not None:
         start_file.unlink(missing_ok=True)
@@ -202,32 +238,25 @@ def phase_b(ctx: Ctx, keep: Keep, start: Repaired, key_a: str, on_evaluation) ->
     return out
 
 
-def _save_start(path, module) -> None:
-    """The values the trained tensors start from, written one at a time (atomic): what an
-    in-place Phase B restores when no evaluation is kept."""
+def save_values(path, tensors: list) -> None:
+    """The values of ``tensors``, written one at a time (atomic): what an in-place repair
+    restores when it is not kept."""
     from bake.export import save_streaming
     from bake.fsutil import atomic_write
 
-    tensors = [(f"ffn.{i}", tuple(p.shape), p.detach) for i, p in enumerate(module.ffn)]
-    if path.is_file():  # a resumed bake: written before its first step, from the same weights
-        return
+    parts = [(f"t.{i}", tuple(t.shape), t.detach) for i, t in enumerate(tensors)]
     with atomic_write(path) as tmp:
-        save_streaming(tmp, tensors, {"format": "pt"})
+        save_streaming(tmp, parts, {"format": "pt"})
 
 
 @torch.no_grad()
-def _restore(live: list, best: dict | None, start_file) -> None:
-    """Copy the kept evaluation's values (``best``), or the saved starting values, into the
-    tensors an in-place Phase B trained, one tensor at a time."""
+def restore_values(tensors: list, path) -> None:
+    """Copy the values :func:`save_values` wrote back into ``tensors``, one at a time."""
     from safetensors import safe_open
 
-    if best is not None:
-        for i, t in enumerate(live):
-            t.copy_(best[f"ffn.{i}"])
-        return
-    with safe_open(str(start_file), framework="pt") as f:
-        for i, t in enumerate(live):
-            t.copy_(f.get_tensor(f"ffn.{i}"))
+    with safe_open(str(path), framework="pt") as f:
+        for i, t in enumerate(tensors):
+            t.copy_(f.get_tensor(f"t.{i}"))
 
 
 def outcome(
