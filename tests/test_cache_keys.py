@@ -86,7 +86,7 @@ def test_code_digest_changes_with_one_byte(tmp_path, monkeypatch):
     assert code_digest(("probe_pkg.arith",)) != before
 
 
-def test_device_and_precision_are_in_the_key():
+def test_device_precision_and_frozen_weights_are_in_the_key():
     import torch
 
     from bake.phases import stage_a
@@ -110,6 +110,8 @@ def test_device_and_precision_are_in_the_key():
     assert stage_a.phase_a_key(ctx) != base
     ctx.device = torch.device("cpu")
     assert stage_a.phase_a_key(ctx) == base
+    ctx.cfg = compose(["model=tiny", "trainer.frozen_weights=bf16"])  # other weights, other scores
+    assert stage_a.phase_a_key(ctx) != base
 
 
 @pytest.mark.subprocess

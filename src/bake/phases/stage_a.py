@@ -79,7 +79,8 @@ def target_in_key(cfg) -> bool:
 
 def phase_a_key(ctx: Ctx, for_resume: bool = False) -> str:
     """Everything Phase A's result depends on: model, corpus, settings, the structure its
-    evaluations score, the device type and evaluation precision, and the code.
+    evaluations score, the device type and evaluation precision, the frozen weights' storage,
+    and the code.
 
     ``for_resume``: the identity a checkpoint must match to be resumed, without the settings a
     resume may change (the learning rate and steps of an unfinished phase)."""
@@ -106,6 +107,7 @@ def phase_a_key(ctx: Ctx, for_resume: bool = False) -> str:
             "eval_batch": cfg.trainer.eval_batch_size,
             "device": ctx.device.type,
             "precision": ctx.precision,
+            "frozen_weights": str(cfg.trainer.frozen_weights),  # bf16-rounded weights score anew
             "code": code_digest(PHASE_A_CODE),
         }
     )
