@@ -110,8 +110,10 @@ def test_device_precision_and_frozen_weights_are_in_the_key():
     assert stage_a.phase_a_key(ctx) != base
     ctx.device = torch.device("cpu")
     assert stage_a.phase_a_key(ctx) == base
+    stats = stage_a.stats_key(ctx)
     ctx.cfg = compose(["model=tiny", "trainer.frozen_weights=bf16"])  # other weights, other scores
     assert stage_a.phase_a_key(ctx) != base
+    assert stage_a.stats_key(ctx) != stats  # the activation statistics FLAP and Wanda read
 
 
 @pytest.mark.subprocess

@@ -113,20 +113,20 @@ def phase_a_key(ctx: Ctx, for_resume: bool = False) -> str:
     )
 
 
+def stats_key(ctx: Ctx) -> str:
+    """What the activation statistics depend on: model, corpus, loops, the frozen weights'
+    storage (bf16-rounded attention changes every activation) and the code."""
+    stack = ctx.model.stack
+    parts = [ctx.model.key, ctx.corpus.content_key, stack.loops, stack.loop_norm]
+    if str(ctx.cfg.trainer.frozen_weights) != "fp32":  # (fp32 bakes keep their cached files)
+        parts.append(str(ctx.cfg.trainer.frozen_weights))
+    return digest([*parts, code_digest(PHASE_A_CODE)])
+
+
 def activation_stats(ctx: Ctx) -> scores.ActivationStats:
     """Activation statistics of this model on this corpus's calibration set (cached)."""
-    stack = ctx.model.stack
-    key = digest(
-        [
-            ctx.model.key,
-            ctx.corpus.content_key,
-            stack.loops,
-            stack.loop_norm,
-            code_digest(PHASE_A_CODE),
-        ]
-    )
-    path = ctx.cache / "activations" / f"{ctx.cfg.model.name}-{key}.safetensors"
-    return scores.cached_stats(stack, ctx.corpus.calib, path)
+    path = ctx.cache / "activations" / f"{ctx.cfg.model.name}-{stats_key(ctx)}.safetensors"
+    return scores.cached_stats(ctx.model.stack, ctx.corpus.calib, path)
 
 
 def initial_logits(ctx: Ctx) -> torch.Tensor:
