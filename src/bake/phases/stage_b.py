@@ -76,6 +76,8 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
         loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
         downs = [stack.ffn_weights(li)[2] for li in layers]
         save_values(originals, downs)
+    elif saved is not None:  # a resumed bake's solution, read as it is
+        downs = saved
     else:  # made outside inference mode: Phase B may train them in place
         downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
     if saved is None:
@@ -90,7 +92,7 @@ def least_squares(ctx: Ctx, keep: Keep, start: Repaired) -> Repaired:
             downs=downs,
         )
         _save_downs(path, downs, mask)
-    else:
+    elif in_place:
         with torch.no_grad():
             for d, value in zip(downs, saved, strict=True):
                 d.copy_(value)
