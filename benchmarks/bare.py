@@ -22,11 +22,17 @@ T0 = time.perf_counter()
 
 import torch  # noqa: E402
 
-from bake import export, masks, repair, scores  # noqa: E402
-from bake.corpus import load_corpus  # noqa: E402
-from bake.memory import PeakTracker  # noqa: E402
+from bake.corpus.splits import load_corpus  # noqa: E402
+from bake.export import model as export  # noqa: E402
+from bake.memory.measure import PeakTracker  # noqa: E402
 from bake.models.loader import load_model  # noqa: E402
-from bake.stack import held_nll, perplexity  # noqa: E402
+from bake.models.stack import held_nll, perplexity  # noqa: E402
+from bake.phases import (
+    masks,  # noqa: E402
+    structure,
+)
+from bake.phases.phase_a import scores  # noqa: E402
+from bake.phases.phase_b import least_squares as repair  # noqa: E402
 from benchmarks.common import compose  # noqa: E402
 
 
@@ -45,7 +51,7 @@ def phase_a(stack, calib, chunks, a, rule, init, steps: int, every: int):
     Adam on the logits; every ``every`` steps the structure at the target is scored."""
     logits = init.clone().requires_grad_()
     opt = torch.optim.Adam([logits], lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
-    ranked = masks.ShipRule(rule.target, rule.align, rule.uniform, rule.tau, True)
+    ranked = structure.ShipRule(rule.target, rule.align, rule.uniform, rule.tau, True)
     evals, snapshots = [], []
     for s in range(steps):
         sparsity = masks.target_at(s, steps, a.target_sparsity, a.ramp)
@@ -60,7 +66,7 @@ def phase_a(stack, calib, chunks, a, rule, init, steps: int, every: int):
             keep = rule.keep(logits.detach())
             evals.append((held(stack, chunks, keep.float()), masks.sparsity(keep)))
             snapshots.append(logits.detach().clone())
-    i = masks.select(evals, a.target_sparsity).index
+    i = structure.select(evals, a.target_sparsity).index
     return (snapshots[i] if i is not None else logits.detach()), evals
 
 
@@ -111,7 +117,7 @@ def main(argv: list[str] | None = None) -> dict:
     backbone = held(stack, corpus.held)
     stats = scores.activation_stats(stack, corpus.calib)
     ranked = str(a.method) == "learned"  # the controller reads the structure by rank
-    rule = masks.ShipRule(a.target_sparsity, e.align, e.uniform_inter, a.tau, ranked)
+    rule = structure.ShipRule(a.target_sparsity, e.align, e.uniform_inter, a.tau, ranked)
     if str(a.method) == "flap":  # training-free selections: the scores are the logits
         logits, evals = scores.flap_logits(scores.flap(stack, stats), a.target_sparsity), []
     elif str(a.method) == "wanda_sp":
@@ -125,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     marks["phase_a"] = time.perf_counter() - T0
     memory.stage_done("phase_a")
     visits = rule.keep(logits)
-    keep = export.compute_keep(visits, visits, stack.num_layers)
+    keep = structure.compute_keep(visits, visits, stack.num_layers)
     gates = visits.float()
     masked = held(stack, corpus.held, gates)
     ffn = repair.least_squares(stack, corpus.calib[: b.ls_chunks], visits, keep.physical)
@@ -141,9 +147,10 @@ def main(argv: list[str] | None = None) -> dict:
     memory.stage_done("phase_b")
     with tempfile.TemporaryDirectory() as tmp:
         fmt = export.write_model(Path(tmp) / "model", stack, model.tokenizer, keep, final)
-        from bake.report import exported_ppl
+        from bake.export.artifact import artifact_nll, load_artifact
 
-        exported = exported_ppl(Path(tmp) / "model", fmt, corpus.held, stack.device, 4, "fp32")
+        model = load_artifact(Path(tmp) / "model", fmt, stack.device)
+        exported = perplexity(*artifact_nll(model, corpus.held, 4, "fp32"))
     memory.stage_done("export")
     out = {
         "wall_s": time.perf_counter() - T0,

@@ -14,7 +14,7 @@ def compose(overrides: list[str] | None = None):
     from hydra import initialize_config_dir
 
     import bake.config  # noqa: F401  (schemas, resolvers)
-    from bake.layout import conf_dir
+    from bake.config.layout import conf_dir
 
     with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
         return hydra_compose(

@@ -36,8 +36,8 @@ def test_text(run: Path) -> str:
     """The run's test chunks as text, as the bake cut them."""
     from omegaconf import OmegaConf
 
-    from bake.bpb import texts_of
-    from bake.corpus import bos_prefix, load_corpus
+    from bake.corpus.splits import bos_prefix, load_corpus
+    from bake.models.bpb import texts_of
     from bake.models.loader import load_model
 
     cfg = OmegaConf.load(run / "config.yaml")
@@ -107,7 +107,7 @@ def same_tokens(tool: Path, gguf: Path, text: str, ids_of, scratch: Path) -> boo
 def main(argv: list[str] | None = None) -> int:
     from transformers import AutoTokenizer
 
-    from bake import llamacpp
+    from bake.export import llamacpp
 
     p = argparse.ArgumentParser(prog="python -m benchmarks.gguf_ppl")
     p.add_argument("run", type=Path)

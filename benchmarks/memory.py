@@ -118,8 +118,8 @@ def plan_of(run: Path) -> dict:
     """The plan of a finished run's settings (its config.yaml), made by the code as it is now."""
     from omegaconf import OmegaConf
 
-    from bake.budget import make
-    from bake.models.meta import read_meta
+    from bake.memory.budget import make
+    from bake.models.sources import read_meta
 
     cfg = OmegaConf.load(run / "config.yaml")
     return make(cfg, read_meta(cfg.model, cfg.paths.cache)).as_dict()
@@ -171,18 +171,18 @@ def readme() -> str:
     writes them) with the default settings on each machine of :data:`MACHINES`, as the
     README's markdown table: the peak and its stage, the mildest settings that fit, and every
     memory setting at its strongest."""
-    from bake.budget import cheapest, fixes
+    from bake.memory.budget import cheapest, fixes
+    from bake.memory.plan import GIB, Knobs, gib, host_bytes, stage_bytes
     from bake.models.meta import ModelMeta
     from bake.models.shape import from_config
-    from bake.plan import GIB, Knobs, gib, host_bytes, stage_bytes
     from benchmarks.common import compose
 
     cfg = compose(["model=nanbeige"])
     meta = ModelMeta(22, 8192, 8192, 2, True, "nanbeige", "Nanbeige4.2-3B (assumed config)")
-    shape = from_config(NANBEIGE_3B, meta, "nanbeige")
+    shape = from_config(NANBEIGE_3B, meta, "own")
     stored, shard = 2 * shape.params, 5 * 10**9
     shards = (shard,) * (stored // shard) + ((stored % shard,) if stored % shard else ())
-    shape = from_config(NANBEIGE_3B, meta, "nanbeige", shards)
+    shape = from_config(NANBEIGE_3B, meta, "own", shards)
 
     def peak(stages: dict) -> str:
         top = max(stages, key=lambda n: stages[n])

@@ -43,6 +43,8 @@ import sys
 import time
 from pathlib import Path
 
+from bake.phases import structure
+
 REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "outputs" / "bench" / "quality"
 REFERENCE = ["phase_a=reference", "phase_b=reference", "export=reference"]
@@ -293,11 +295,12 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     SAME per-layer widths on the test split and that text (the backbone's, repaired)."""
     import torch
 
-    from bake import repair, scores
-    from bake.artifact import artifact_nll, load_artifact
-    from bake.corpus import load_corpus
+    from bake.corpus.splits import load_corpus
+    from bake.export.artifact import artifact_nll, load_artifact
     from bake.models.loader import load_model
-    from bake.stack import held_nll, perplexity
+    from bake.models.stack import held_nll, perplexity
+    from bake.phases.phase_a import scores
+    from bake.phases.phase_b import least_squares as repair
     from benchmarks.common import compose
 
     rep = result["report"]
@@ -312,8 +315,8 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     # artifact keeps the source's token ids.
     from transformers import AutoTokenizer
 
-    from bake import bpb
-    from bake.corpus import bos_prefix
+    from bake.corpus.splits import bos_prefix
+    from bake.models import bpb
 
     texts = bpb.texts_of(outside, model.tokenizer, False)
     own = AutoTokenizer.from_pretrained(model_dir)
@@ -352,7 +355,7 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     if key not in _STATS:  # one corpus's statistics serve every row that bakes on it
         _STATS[key] = scores.activation_stats(stack, corpus.calib)
     stats = _STATS[key]
-    keep = scores.keep_top(scores.wanda(stack, stats), widths)
+    keep = structure.keep_top(scores.wanda(stack, stats), widths)
     physical = keep.view(stack.loops, stack.num_layers, -1).any(dim=0)
     ffn = repair.least_squares(stack, corpus.calib[:96], keep, physical)
     gates = keep.float()

@@ -28,6 +28,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from bake.phases import structure
+
 REPO = Path(__file__).resolve().parents[1]
 # A shortened recipe (a default bake takes ~15 minutes here; the speed part must take less):
 # fixed costs (imports, MLflow, the export) weigh more in it than in a default bake.
@@ -66,15 +68,15 @@ def load_times(mcfg, cache: Path) -> dict:
 
     fresh = Path(tempfile.mkdtemp(prefix="bake-bench-cache-"))
     try:
-        loader._LOADED.clear()
+        loader.forget_all()
         first = timed(lambda: loader.load_model(mcfg, fresh))
         cached = []
         for _ in range(3):
-            loader._LOADED.clear()
+            loader.forget_all()
             cached.append(timed(lambda: loader.load_model(mcfg, fresh)))
     finally:
         shutil.rmtree(fresh, ignore_errors=True)
-        loader._LOADED.clear()
+        loader.forget_all()
     return {"first_s": first, "cached_s": statistics.median(cached)}
 
 
@@ -107,7 +109,7 @@ def exported_speed(model, corpus, sparsities, reps, device, sync) -> list[dict]:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from bake import export, masks
+    from bake.export import model as export
 
     stack, ids = model.stack, corpus.calib[:1].to(device)
     share = ffn_share(stack, ids.shape[1])
@@ -116,11 +118,11 @@ def exported_speed(model, corpus, sparsities, reps, device, sync) -> list[dict]:
     )
     rows = []
     for sp in sparsities:
-        k = masks.round_up(round((1 - sp) * stack.inter), 32, stack.inter)
+        k = structure.round_up(round((1 - sp) * stack.inter), 32, stack.inter)
         keep_phys = torch.zeros_like(order, dtype=torch.bool)
         keep_phys.scatter_(1, order.argsort(dim=1, descending=True)[:, :k], True)
         visits = keep_phys.repeat(stack.loops, 1)
-        keep = export.compute_keep(visits, visits, stack.num_layers)
+        keep = structure.compute_keep(visits, visits, stack.num_layers)
         with tempfile.TemporaryDirectory() as tmp:
             export.write_model(Path(tmp), stack, model.tokenizer, keep, None)
             small = AutoModelForCausalLM.from_pretrained(tmp, dtype=torch.float32).to(device)
@@ -147,11 +149,11 @@ def _phases(model, corpus, held, device, overrides: list[str]):
     """Phase A and Phase B modules (and their optimizers) of a composed config."""
     import torch
 
-    from bake import masks
+    from bake.phases import masks
     from bake.phases.common import Identity
-    from bake.phases.phase_a import PhaseA, PhaseASettings
-    from bake.phases.phase_b import PhaseB, PhaseBSettings
-    from bake.phases.stage_a import ship_rule
+    from bake.phases.phase_a.learned import PhaseA, PhaseASettings
+    from bake.phases.phase_a.stage import ship_rule
+    from bake.phases.phase_b.module import PhaseB, PhaseBSettings
     from benchmarks.common import compose
 
     cfg = compose(overrides)
@@ -161,7 +163,9 @@ def _phases(model, corpus, held, device, overrides: list[str]):
     sa = PhaseASettings.from_config(cfg.phase_a, 4, ship_rule(cfg))
     a = PhaseA(stack, corpus.calib, held, sa, init.to(device), Identity("b", "b")).to(device)
     opt_a = torch.optim.Adam([a.logits], lr=sa.lr, betas=(0.9, 0.999), eps=1e-8)
-    gates = (masks.ShipRule(0.2, 32, True, 0.5, True).keep(init) if sa.ship else init > 0).float()
+    gates = (
+        structure.ShipRule(0.2, 32, True, 0.5, True).keep(init) if sa.ship else init > 0
+    ).float()
     b_ = cfg.phase_b
     sb = PhaseBSettings(b_.steps, b_.lr, b_.layers, b_.eval_every, all_layers=b_.all_layers)
     sb.distill = b_.distill
@@ -173,8 +177,8 @@ def _phases(model, corpus, held, device, overrides: list[str]):
 def step_ratios(model, corpus, reps: int, device, sync) -> dict:
     import torch
 
-    from bake import masks
-    from bake.stack import held_nll
+    from bake.models.stack import held_nll
+    from bake.phases import masks
 
     stack = model.stack
     lm = stack.lm.to(device)
@@ -365,7 +369,7 @@ def main(argv: list[str] | None = None) -> dict:
     import torch
     from omegaconf import OmegaConf
 
-    from bake.corpus import load_corpus
+    from bake.corpus.splits import load_corpus
     from bake.models.loader import load_model
     from benchmarks.bare import default_config
 

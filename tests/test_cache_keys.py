@@ -11,18 +11,20 @@ from pathlib import Path
 import pytest
 from conftest import PYTHON, REPO, last_run, subprocess_env, tiny_args
 
-from bake.phases.stage_a import PHASE_A_CODE
-from bake.runstate import code_digest
+from bake.phases.phase_a.stage import PHASE_A_CODE
+from bake.run.cache import code_digest
 
 # bake modules that Phase A's code imports without computing anything of its result
 NOT_COMPUTING = {
     "bake.errors",
-    "bake.memory",
-    "bake.fsutil",
-    "bake.runstate",
-    "bake.validate",
-    "bake.console",
-    "bake.cache",
+    "bake.memory.measure",
+    "bake.run.files",
+    "bake.run.record",
+    "bake.run.ranks",
+    "bake.run.cache",
+    "bake.config.validate",
+    "bake.tracking.console",
+    "bake.models.loader",  # the loaded weights: their identity, the model key, is in the key
 }
 
 
@@ -64,15 +66,20 @@ def _bake_imports(module: str) -> set[str]:
 
 
 def test_the_phase_a_key_covers_every_module_that_computes_it():
-    seen, todo = set(), ["bake.phases.stage_a"]
+    from bake.phases.phase_a import METHODS
+
+    # the stage, and every method it runs (found by name in the registry, not by import)
+    seen, todo = set(), ["bake.phases.phase_a.stage", *METHODS.values()]
     while todo:
         module = todo.pop()
         if module in seen or module in NOT_COMPUTING:
             continue
         seen.add(module)
         todo += sorted(_bake_imports(module) - {"bake"})
-    assert seen <= set(PHASE_A_CODE) | {"bake.phases"}, sorted(seen - set(PHASE_A_CODE))
-    assert {"bake.masks", "bake.stack", "bake.phases.phase_a"} <= seen  # the walk found them
+    packages = {"bake.phases", "bake.phases.phase_a", "bake.models", "bake.config"}
+    assert seen <= set(PHASE_A_CODE) | packages, sorted(seen - set(PHASE_A_CODE))
+    found = {"bake.phases.masks", "bake.models.stack", "bake.phases.phase_a.mask"}
+    assert found <= seen  # the walk found them
 
 
 def test_code_digest_changes_with_one_byte(tmp_path, monkeypatch):
@@ -87,9 +94,14 @@ def test_code_digest_changes_with_one_byte(tmp_path, monkeypatch):
 
 
 def test_device_precision_and_frozen_weights_are_in_the_key():
-    import torch
+    import dataclasses
 
-    from bake.phases import stage_a
+    import torch
+    from conftest import compose
+
+    from bake.models.sources import read_meta
+    from bake.phases.phase_a import stage
+    from bake.phases.settings import resolve
 
     class Model:
         key, stack = "m", type("S", (), {"loops": 1, "loop_norm": True})()
@@ -97,23 +109,22 @@ def test_device_precision_and_frozen_weights_are_in_the_key():
     class Corpus:
         key = content_key = "c"
 
-    from conftest import compose
+    def keys(settings, **change):
+        ctx = type("Ctx", (), {})()
+        ctx.settings = dataclasses.replace(settings, **change)
+        ctx.model, ctx.corpus = Model, Corpus
+        return stage.keys(ctx)
 
     cfg = compose(["model=tiny"])
-    ctx = type("Ctx", (), {})()
-    ctx.cfg, ctx.model, ctx.corpus = cfg, Model, Corpus
-    ctx.device, ctx.precision = torch.device("cpu"), "fp32"
-    base = stage_a.phase_a_key(ctx)
-    ctx.precision = "bf16"
-    assert stage_a.phase_a_key(ctx) != base
-    ctx.precision, ctx.device = "fp32", torch.device("cuda", 0)
-    assert stage_a.phase_a_key(ctx) != base
-    ctx.device = torch.device("cpu")
-    assert stage_a.phase_a_key(ctx) == base
-    stats = stage_a.stats_key(ctx)
-    ctx.cfg = compose(["model=tiny", "trainer.frozen_weights=bf16"])  # other weights, other scores
-    assert stage_a.phase_a_key(ctx) != base
-    assert stage_a.stats_key(ctx) != stats  # the activation statistics FLAP and Wanda read
+    meta = read_meta(cfg.model)
+    settings = resolve(cfg, meta)
+    base = keys(settings)
+    assert keys(settings, precision="bf16").phase_a != base.phase_a
+    assert keys(settings, device=torch.device("cuda", 0)).phase_a != base.phase_a
+    assert keys(settings) == base
+    bf16 = resolve(compose(["model=tiny", "trainer.frozen_weights=bf16"]), meta)
+    assert keys(bf16).phase_a != base.phase_a  # other weights, other scores
+    assert keys(bf16).stats != base.stats  # the activation statistics FLAP and Wanda read
 
 
 @pytest.mark.subprocess
@@ -138,6 +149,6 @@ def test_a_changed_mask_arithmetic_is_never_answered_from_the_cache(tmp_path, do
 
     assert "reusing the cached result" not in run(copy / "src")
     assert "reusing the cached result" in run(copy / "src")
-    masks_py = copy / "src" / "bake" / "masks.py"
+    masks_py = copy / "src" / "bake" / "phases" / "masks.py"
     masks_py.write_text(masks_py.read_text() + "\n# a changed line of the arithmetic's module\n")
     assert "reusing the cached result" not in run(copy / "src")

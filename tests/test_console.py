@@ -5,8 +5,8 @@ from __future__ import annotations
 import io
 import logging
 
-from bake import console
 from bake.phases.common import bar_postfix
+from bake.tracking import console
 
 
 class Terminal(io.StringIO):

@@ -10,7 +10,7 @@ import torch
 from conftest import write_docs
 from omegaconf import OmegaConf
 
-from bake.corpus import load_corpus
+from bake.corpus.splits import load_corpus
 from bake.errors import BakeError
 from bake.models.tiny import byte_tokenizer
 

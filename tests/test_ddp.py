@@ -9,9 +9,9 @@ import torch
 from conftest import PYTHON, compose, last_run, report, subprocess_env, tiny_args
 from safetensors.torch import load_file
 
-from bake import masks
-from bake.corpus import load_corpus
+from bake.corpus.splits import load_corpus
 from bake.models.loader import load_model
+from bake.phases import masks
 
 pytestmark = [pytest.mark.subprocess, pytest.mark.bake]  # two DDP ranks, each a whole bake
 
@@ -23,7 +23,7 @@ def single_process_reference(cfg, cache, steps: int, world: int) -> torch.Tensor
     a, stack = cfg.phase_a, model.stack
     logits = torch.full((stack.num_virtual, stack.inter), masks.mask_init_logit(1)).requires_grad_()
     opt = torch.optim.Adam([logits], lr=a.lr, betas=(0.9, 0.999), eps=1e-8)
-    l1 = masks.l1_weight(a.l1_init, a.l1_step, a.l1_mult, 0)
+    l1 = a.l1_init * a.l1_mult  # before the first evaluation
     n = corpus.calib.shape[0]
     for s in range(steps):
         grads = []

@@ -11,11 +11,11 @@ import torch
 from conftest import compose, last_run, report, run_bake, tiny_args
 from safetensors.torch import load_file
 
-from bake import export
-from bake.corpus import load_corpus
+from bake.corpus.splits import load_corpus
 from bake.errors import BakeError
+from bake.export import model as export
 from bake.models.loader import load_model
-from bake.stack import held_nll, perplexity
+from bake.models.stack import held_nll, perplexity
 
 
 def own_forward_ppl(outputs, docs, run_dir, extra):
@@ -148,7 +148,8 @@ def transformers_ppl(model_dir, held) -> float:
 def test_exported_perplexity_is_the_artifacts_own_forward(tmp_path, docs_dir):
     """The report's number comes from the loaded artifact's forward, not bake's: an artifact
     whose config.json says relu is measured with relu."""
-    from bake.report import exported_ppl
+    from bake.export.artifact import artifact_nll, load_artifact
+    from bake.models.stack import perplexity
 
     extra = (
         "phase_a=wanda_sp",
@@ -165,13 +166,13 @@ def test_exported_perplexity_is_the_artifacts_own_forward(tmp_path, docs_dir):
     cfg = json.loads((run / "model" / "config.json").read_text())
     cfg["hidden_act"] = "relu"  # bake's forward would still run silu
     (run / "model" / "config.json").write_text(json.dumps(cfg))
-    relu = exported_ppl(run / "model", "stock", held, "cpu", 4, "fp32")
+    relu = perplexity(*artifact_nll(load_artifact(run / "model", "stock", "cpu"), held, 4, "fp32"))
     assert relu == pytest.approx(transformers_ppl(run / "model", held), rel=1e-6)
     assert abs(relu / rep["perplexity"]["exported"] - 1) > 1e-4  # the edit moved it
 
 
 def test_check_export_tolerance_depends_on_precision():
-    from bake.report import check_export
+    from bake.export.stage import check_export
 
     check_export(100.05, 100.0, "qwen3", "fp32")  # 5e-4 relative: summation order
     check_export(101.5, 100.0, "qwen3", "bf16")  # 1.5e-2: bf16 rounding

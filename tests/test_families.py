@@ -25,12 +25,13 @@ from safetensors.torch import load_file
 from test_models import write_nanbeige
 from torch import nn
 
-from bake import export
 from bake.errors import BakeError
-from bake.models.family import all_families
+from bake.export import model as export
+from bake.models.families import all_families
 from bake.models.loader import load_model
-from bake.models.meta import read_meta
+from bake.models.sources import read_meta
 from bake.models.tiny import VOCAB_SIZE, byte_tokenizer, bytes_to_unicode
+from bake.phases import structure
 
 TOL = 1e-4  # max abs logit difference, fp32
 CHUNK = 32  # tiny_args' corpus.chunk_len
@@ -364,7 +365,7 @@ def test_per_layer_export_loads_as_the_source_family(name, hf_source, tmp_path):
     visits = torch.zeros(layers, inter, dtype=torch.bool)
     for i, k in enumerate(counts):
         visits[i, torch.randperm(inter, generator=g)[:k]] = True
-    keep = export.compute_keep(visits, visits, layers)
+    keep = structure.compute_keep(visits, visits, layers)
     source = source_state(src)
     full = {(i, p): source[ffn_name(i, p)].float() for i in range(layers) for p in PARTS}
     repaired = {(1, p): full[1, p] + 0.05 * torch.randn(full[1, p].shape) for p in PARTS}
@@ -642,7 +643,7 @@ def test_sliding_layers_are_exact_beyond_the_window(name, hf_source, tmp_path):
     gives the logits of transformers' own model, and its validation accepts such chunks."""
     from conftest import compose
 
-    from bake.validate import validate
+    from bake.config.validate import validate
 
     src = hf_source(name)
     assert read_meta(hf_cfg(src)).sliding_window == WINDOW

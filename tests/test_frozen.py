@@ -15,7 +15,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 from test_families import HF_CASES, STOCK, bake_with, hf_cfg, perturb
 
-from bake.frozen import store_bf16
+from bake.models.frozen import store_bf16
 from bake.models.loader import load_model
 from bake.models.tiny import byte_tokenizer
 

@@ -12,7 +12,7 @@ import torch
 from conftest import compose
 
 from bake.errors import BakeError
-from bake.models import meta
+from bake.models import files as meta
 
 pytestmark = pytest.mark.gemma3
 TOL = 1e-4  # max abs logit difference, fp32

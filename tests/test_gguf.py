@@ -36,7 +36,7 @@ SAMPLE = (
 @pytest.fixture(scope="session")
 def llama_bin() -> Path:
     """llama.cpp's tools, built from the installed source package when absent."""
-    from bake import llamacpp
+    from bake.export import llamacpp
 
     return llamacpp.build() / "bin"
 

@@ -9,7 +9,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bake import masks
+from bake.phases import masks, structure
 
 
 @pytest.mark.parametrize("loops", [1, 2, 3])
@@ -24,11 +24,14 @@ def test_mask_init_logit_holds_the_effective_start(loops):
         assert m0 > 2.0  # each visit opens further so the product stays at sigma(2)
 
 
-def test_l1_schedule_scales_both_terms_with_mult():
-    assert masks.l1_weight(0.01, 0.005, 1.0, 0) == pytest.approx(0.01)
-    assert masks.l1_weight(0.01, 0.005, 1.0, 3) == pytest.approx(0.025)
-    assert masks.l1_weight(0.01, 0.005, 2.0, 0) == pytest.approx(0.02)
-    assert masks.l1_weight(0.01, 0.005, 2.0, 3) == pytest.approx(0.05)
+def test_l1_schedule_grows_after_each_evaluation_and_scales_both_terms_with_mult():
+    # (init + evaluations done * step) * mult, an evaluation every 30 steps
+    assert masks.l1_weight(0, 30, 0.01, 0.005, 1.0) == pytest.approx(0.01)
+    assert masks.l1_weight(29, 30, 0.01, 0.005, 1.0) == pytest.approx(0.01)
+    assert masks.l1_weight(30, 30, 0.01, 0.005, 1.0) == pytest.approx(0.015)
+    assert masks.l1_weight(90, 30, 0.01, 0.005, 1.0) == pytest.approx(0.025)
+    assert masks.l1_weight(0, 30, 0.01, 0.005, 2.0) == pytest.approx(0.02)
+    assert masks.l1_weight(119, 30, 0.01, 0.005, 2.0) == pytest.approx(0.05)
 
 
 def test_l1_penalty_uses_the_physical_layer_denominator():
@@ -56,15 +59,15 @@ def test_closed_since_names_virtual_layer_and_index():
 
 def test_selection_lowest_ppl_at_target_zero_first_on_ties():
     evals = [(12.0, 0.0), (11.5, 0.01), (11.5, 0.02), (13.0, 0.05)]
-    assert masks.select(evals, 0.0) == masks.Choice(1, False)
+    assert structure.select(evals, 0.0) == structure.Choice(1, False)
 
 
 def test_selection_respects_the_target_and_falls_back_to_first_sparsest():
     evals = [(11.0, 0.05), (12.0, 0.21), (11.9, 0.25), (30.0, 0.3)]
-    assert masks.select(evals, 0.2) == masks.Choice(2, False)
+    assert structure.select(evals, 0.2) == structure.Choice(2, False)
     below = [(11.0, 0.05), (12.0, 0.10), (13.0, 0.10), (12.5, 0.08)]
-    assert masks.select(below, 0.2) == masks.Choice(1, True)
-    assert masks.select([], 0.2) == masks.Choice(None, False)
+    assert structure.select(below, 0.2) == structure.Choice(1, True)
+    assert structure.select([], 0.2) == structure.Choice(None, False)
 
 
 # The reference (skillbake.rs) starts `best` at f64::MAX and compares strictly, tracks the
@@ -72,26 +75,26 @@ def test_selection_respects_the_target_and_falls_back_to_first_sparsest():
 @pytest.mark.parametrize(
     "evals, target, want",
     [
-        ([(2e9, 0.3), (11.0, 0.1)], 0.2, masks.Choice(0, False)),  # a huge ppl still qualifies
-        ([(math.nan, 0.3), (12.0, 0.25)], 0.2, masks.Choice(1, False)),  # NaN never does
-        ([(math.inf, 0.3), (math.inf, 0.25)], 0.2, masks.Choice(0, True)),  # inf neither
-        ([(10.0, 0.0), (9.0, 0.0)], 0.2, masks.Choice(None, False)),  # all at 0%: final logits
-        ([(math.nan, 0.0), (math.nan, 0.0)], 0.0, masks.Choice(None, False)),
-        ([(math.nan, 0.0), (9.5, 0.0)], 0.0, masks.Choice(1, False)),
-        ([(9.0, 0.3 - 1e-15)], 0.3, masks.Choice(0, False)),  # float rounding of 0.3 counts
+        ([(2e9, 0.3), (11.0, 0.1)], 0.2, structure.Choice(0, False)),  # a huge ppl still qualifies
+        ([(math.nan, 0.3), (12.0, 0.25)], 0.2, structure.Choice(1, False)),  # NaN never does
+        ([(math.inf, 0.3), (math.inf, 0.25)], 0.2, structure.Choice(0, True)),  # inf neither
+        ([(10.0, 0.0), (9.0, 0.0)], 0.2, structure.Choice(None, False)),  # all at 0%: final logits
+        ([(math.nan, 0.0), (math.nan, 0.0)], 0.0, structure.Choice(None, False)),
+        ([(math.nan, 0.0), (9.5, 0.0)], 0.0, structure.Choice(1, False)),
+        ([(9.0, 0.3 - 1e-15)], 0.3, structure.Choice(0, False)),  # float rounding of 0.3 counts
     ],
 )
 def test_selection_edge_cases_follow_the_reference(evals, target, want):
-    assert masks.select(evals, target) == want
+    assert structure.select(evals, target) == want
 
 
 def test_repair_selection_is_the_first_strict_minimum_below_the_start():
-    assert masks.select_repair([10.5, 10.0], 10.0) is None
-    assert masks.select_repair([10.5, 9.9, 9.9, 9.95], 10.0) == 1
-    assert masks.select_repair([math.nan, 9.0], 10.0) == 1  # a NaN first never hides the rest
-    assert masks.select_repair([9.0, math.nan], 10.0) == 0  # nor wins after an improvement
-    assert masks.select_repair([math.nan], 10.0) is None
-    assert masks.select_repair([], 10.0) is None
+    assert structure.select_repair([10.5, 10.0], 10.0) is None
+    assert structure.select_repair([10.5, 9.9, 9.9, 9.95], 10.0) == 1
+    assert structure.select_repair([math.nan, 9.0], 10.0) == 1  # a NaN first never hides the rest
+    assert structure.select_repair([9.0, math.nan], 10.0) == 0  # nor wins after an improvement
+    assert structure.select_repair([math.nan], 10.0) is None
+    assert structure.select_repair([], 10.0) is None
 
 
 def test_target_schedule_ramps_then_holds():
@@ -126,7 +129,7 @@ def test_keep_masks_aligns_up_and_preserves_alive():
     inter = 96
     l0 = torch.tensor([1.0 if i < 40 else -1.0 - i * 0.01 for i in range(inter)])
     l1 = torch.tensor([2.0 if i < 64 else -3.0 for i in range(inter)])
-    keep = masks.keep_masks(torch.stack([l0, l1]), 0.5, 32, False)
+    keep = structure.keep_masks(torch.stack([l0, l1]), 0.5, 32, False)
     assert kept(keep) == [64, 64]
     assert keep[0, :64].all() and not keep[0, 64:].any()
 
@@ -135,17 +138,17 @@ def test_keep_masks_uniform_takes_max():
     inter = 96
     l0 = torch.tensor([1.0 if i < 10 else -2.0 for i in range(inter)])
     l1 = torch.tensor([1.0 if i < 70 else -2.0 for i in range(inter)])
-    assert kept(masks.keep_masks(torch.stack([l0, l1]), 0.5, 32, True)) == [96, 96]
+    assert kept(structure.keep_masks(torch.stack([l0, l1]), 0.5, 32, True)) == [96, 96]
 
 
 def test_keep_masks_edges():
     inter = 48
     logits = torch.tensor([[1.0 if i < 47 else -2.0 for i in range(inter)]])
-    assert kept(masks.keep_masks(logits, 0.5, 32, False)) == [48]  # 47 -> 64, capped at 48
-    assert kept(masks.keep_masks(logits, 0.5, 1, False)) == [47]
+    assert kept(structure.keep_masks(logits, 0.5, 32, False)) == [48]  # 47 -> 64, capped at 48
+    assert kept(structure.keep_masks(logits, 0.5, 1, False)) == [47]
     dead = torch.full((1, inter), -5.0)
-    assert kept(masks.keep_masks(dead, 0.5, 32, False)) == [32]  # max(1) rounded to 32
-    assert kept(masks.keep_masks(dead, 0.5, 0, False)) == [1]
+    assert kept(structure.keep_masks(dead, 0.5, 32, False)) == [32]  # max(1) rounded to 32
+    assert kept(structure.keep_masks(dead, 0.5, 0, False)) == [1]
 
 
 @settings(max_examples=60, deadline=None)
@@ -159,7 +162,7 @@ def test_keep_masks_edges():
 def test_keep_masks_properties(rows, inter, align, uniform, seed):
     g = torch.Generator().manual_seed(seed)
     logits = torch.randn(rows, inter, generator=g) * 2
-    keep = masks.keep_masks(logits, 0.5, align, uniform)
+    keep = structure.keep_masks(logits, 0.5, align, uniform)
     alive = masks.alive(logits, 0.5)
     counts = kept(keep)
     for r, k in enumerate(counts):
@@ -176,7 +179,7 @@ def test_keep_masks_properties(rows, inter, align, uniform, seed):
 
 def test_physical_keep_is_the_union_over_visits():
     visits = torch.tensor([[1, 0, 0], [0, 0, 1], [0, 1, 0], [0, 0, 1]], dtype=torch.bool)
-    assert masks.physical_keep(visits, 2).int().tolist() == [[1, 1, 0], [0, 0, 1]]
+    assert structure.physical_keep(visits, 2).int().tolist() == [[1, 1, 0], [0, 0, 1]]
 
 
 # -- target_keep: the target holds after alignment -------------------------------------------
@@ -198,12 +201,12 @@ def test_target_keep_meets_the_target_after_alignment(
     budget = math.floor((1 - target) * rows * inter + 1e-9)
     if narrowest * rows > budget:
         with pytest.raises(ValueError):
-            masks.target_keep(logits, 0.5, target, align, uniform)
+            structure.target_keep(logits, 0.5, target, align, uniform)
         return
-    keep = masks.target_keep(logits, 0.5, target, align, uniform)
+    keep = structure.target_keep(logits, 0.5, target, align, uniform)
     counts = kept(keep)
     assert sum(counts) <= budget  # the promise: at least `target` of the neurons removed
-    assert masks.reaches(masks.sparsity(keep), target)
+    assert structure.reaches(masks.sparsity(keep), target)
     for r, k in enumerate(counts):
         assert k >= narrowest and (k == inter or align <= 1 or k % align == 0)
         if 0 < k < inter:  # each row keeps its highest logits
@@ -217,7 +220,7 @@ def test_target_keep_meets_the_target_after_alignment(
 
 def test_target_keep_drops_the_globally_lowest_logits():
     logits = torch.tensor([[3.0, 2.0, 1.0, 0.5], [4.0, 0.6, 0.7, 0.8]])
-    keep = masks.target_keep(logits, 0.5, 0.25, 1, False)  # 8 alive, budget 6
+    keep = structure.target_keep(logits, 0.5, 0.25, 1, False)  # 8 alive, budget 6
     assert keep.tolist() == [[True, True, True, False], [True, False, True, True]]
 
 
@@ -225,25 +228,25 @@ def test_target_keep_rounds_up_where_the_budget_allows_and_down_elsewhere():
     # 2 rows x 64: row 0 has 40 alive, row 1 has 60 alive; target 0.25 -> at most 96 kept.
     l0 = torch.tensor([1.0 - i * 0.01 if i < 40 else -1.0 - i * 0.01 for i in range(64)])
     l1 = torch.tensor([1.0 - i * 0.01 if i < 60 else -1.0 - i * 0.01 for i in range(64)])
-    keep = masks.target_keep(torch.stack([l0, l1]), 0.5, 0.25, 16, False)
+    keep = structure.target_keep(torch.stack([l0, l1]), 0.5, 0.25, 16, False)
     assert kept(keep) == [48, 48]  # 40 -> 48 up; 60 -> 48 down: 64 would exceed 96
-    keep = masks.target_keep(torch.stack([l0, l1]), 0.5, 0.25, 16, True)
+    keep = structure.target_keep(torch.stack([l0, l1]), 0.5, 0.25, 16, True)
     assert kept(keep) == [48, 48]  # uniform: the reference's 64 does not fit, 48 does
     with pytest.raises(ValueError):
-        masks.target_keep(torch.stack([l0, l1]), 0.5, 0.8, 32, False)
+        structure.target_keep(torch.stack([l0, l1]), 0.5, 0.8, 32, False)
 
 
 def test_target_zero_is_the_references_keep_masks():
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(4))
     for align, uniform in ((32, False), (16, True), (1, False)):
         assert torch.equal(
-            masks.target_keep(logits, 0.5, 0.0, align, uniform),
-            masks.keep_masks(logits, 0.5, align, uniform),
+            structure.target_keep(logits, 0.5, 0.0, align, uniform),
+            structure.keep_masks(logits, 0.5, align, uniform),
         )
 
 
 def test_ship_rule_ranked_ignores_tau():
     logits = torch.full((2, 10), -5.0)  # nothing above tau
     logits[:, :3] = -4.0
-    ranked = masks.ShipRule(0.5, 1, True, 0.5, ranked=True).keep(logits)
+    ranked = structure.ShipRule(0.5, 1, True, 0.5, ranked=True).keep(logits)
     assert kept(ranked) == [5, 5] and ranked[:, :3].all()

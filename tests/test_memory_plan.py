@@ -13,7 +13,7 @@ import subprocess
 import pytest
 from conftest import PYTHON, REPO, run_bake, subprocess_env
 
-from bake.plan import HEAP_LIMIT, MIB
+from bake.memory.plan import HEAP_LIMIT, MIB
 
 SMALL = [  # a short bake of the default recipe (FLAP, least squares, Phase B of every layer)
     "corpus=text_files",

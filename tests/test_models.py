@@ -13,9 +13,9 @@ from safetensors.torch import load_file, save_file
 
 from bake.errors import BakeError
 from bake.models.loader import load_model
-from bake.models.meta import read_meta
+from bake.models.sources import read_meta
+from bake.models.stack import Stack
 from bake.models.tiny import build_tiny
-from bake.stack import Stack
 
 
 def tiny_cfg(**kw):
@@ -327,7 +327,7 @@ def test_embedded_smollm2_loads_from_gguf_and_cache(tmp_path_factory):
     assert first.tokenizer.eos_token_id is not None
     from bake.models import loader
 
-    loader._LOADED.clear()
+    loader.forget_all()
     second = load_model(cfg.model, cache)
     assert not second.converted
     ids = first.tokenizer("import os\nprint(os.getcwd())", return_tensors="pt")["input_ids"]

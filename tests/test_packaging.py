@@ -19,7 +19,7 @@ import yaml
 from conftest import PYTHON, REPO, last_run, subprocess_env, tiny_args
 
 from bake.errors import BakeError
-from bake.models.meta import gguf_path
+from bake.models.files import gguf_path
 
 
 @pytest.fixture(scope="module")

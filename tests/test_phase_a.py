@@ -8,12 +8,13 @@ import pytest
 import torch
 from omegaconf import OmegaConf
 
-from bake import masks
 from bake.config import TinyConf
+from bake.models.stack import Stack
 from bake.models.tiny import build_tiny
+from bake.phases import masks, structure
 from bake.phases.common import Identity, make_trainer
-from bake.phases.phase_a import PhaseA, PhaseASettings
-from bake.stack import Stack
+from bake.phases.phase_a.mask import PhaseA
+from bake.phases.settings import PhaseASettings
 
 
 def tiny(loops=1, hidden=32, dtype=torch.float64):
@@ -184,7 +185,7 @@ def _spy(step_fn, module, seen):
 @pytest.mark.trainer
 def test_l1_grows_after_the_update_of_each_evaluation_step(tmp_path):
     module, seen = fit_phase_a(tmp_path)
-    l1 = [masks.l1_weight(0.01, 0.005, 2.0, k) for k in range(4)]
+    l1 = [(0.01 + k * 0.005) * 2.0 for k in range(4)]  # the recipe: after k evaluations
     assert [round(x, 9) for _, x in seen] == [
         round(v, 9) for v in [l1[0], l1[0], l1[1], l1[1], l1[2], l1[2]]
     ]
@@ -243,7 +244,7 @@ class Scripted:
     ],
 )
 def test_best_checkpoint_is_the_selected_evaluation(tmp_path, target, script, want, fell_back):
-    from bake.phases.results import PhaseAResult
+    from bake.phases.phase_a.results import PhaseAResult
 
     stack = tiny(dtype=torch.float32)
     s = settings(steps=2 * len(script), eval_every=2, target_sparsity=target)
@@ -271,7 +272,7 @@ def test_best_checkpoint_is_the_selected_evaluation(tmp_path, target, script, wa
 
 @pytest.mark.trainer
 def test_no_qualifying_evaluation_keeps_the_final_mask_as_the_reference_does(tmp_path):
-    from bake.phases.results import PhaseAResult
+    from bake.phases.phase_a.results import PhaseAResult
 
     stack = tiny(dtype=torch.float32)
     s = settings(steps=6, eval_every=2, target_sparsity=0.3)
@@ -295,7 +296,7 @@ def test_controller_reaches_the_target_on_schedule(tmp_path, loops):
     """The hard structure of every step is the scheduled sparsity, aligned; evaluations score
     the structure that ships at the target."""
     stack = tiny(loops=loops, dtype=torch.float32)
-    rule = masks.ShipRule(0.25, 8, True, 0.5, ranked=True)
+    rule = structure.ShipRule(0.25, 8, True, 0.5, ranked=True)
     s = settings(
         steps=8, eval_every=2, target_sparsity=0.25, controller=True, ramp=0.5, ship=rule,
         l1_mult=0.0, straight_through=True,

@@ -10,9 +10,10 @@ import pytest
 import torch
 from test_phase_a import tcfg, tiny
 
-from bake import masks
+from bake.phases import masks
 from bake.phases.common import Identity, make_trainer
-from bake.phases.phase_b import PhaseB, PhaseBSettings, lr_at
+from bake.phases.phase_b.module import PhaseB, lr_at
+from bake.phases.settings import PhaseBSettings
 
 
 @pytest.mark.trainer
@@ -75,7 +76,7 @@ def _fit_phase_b(tmp_path, baseline: float, record: list):
 @pytest.mark.parametrize("below", [True, False])
 def test_the_kept_evaluation_is_restored_from_best_ckpt_only_when_strictly_better(tmp_path, below):
     from bake.phases.common import best_state
-    from bake.phases.stage_b import Repaired, outcome
+    from bake.phases.phase_b.stage import Repaired, outcome
 
     record: list = []
     probe = _fit_phase_b(tmp_path / "probe", math.inf, [])
@@ -100,7 +101,7 @@ def test_the_kept_evaluation_is_restored_from_best_ckpt_only_when_strictly_bette
 
 @pytest.mark.parametrize("gate_grad", [True, False])
 def test_fused_ffn_gradients_equal_autograd(gate_grad):
-    from bake.stack import _GatedFFN
+    from bake.models.stack import _GatedFFN
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(2, 5, 8, generator=g, dtype=torch.float64, requires_grad=True)
@@ -129,9 +130,9 @@ def test_phase_b_continues_after_the_chunks_phase_a_trained_the_ffn_on(
     from conftest import last_run, run_bake, tiny_args
     from omegaconf import OmegaConf
 
-    from bake.corpus import load_corpus
+    from bake.corpus.splits import load_corpus
     from bake.models.loader import load_model
-    from bake.phases import phase_b
+    from bake.phases.phase_b import module as phase_b
 
     seen: list[torch.Tensor] = []
 
@@ -169,7 +170,7 @@ def test_phase_b_in_place_exports_the_kept_evaluation_or_the_weights_it_started_
     from conftest import last_run, report, run_bake, tiny_args
     from safetensors.torch import load_file
 
-    from bake.phases import phase_b
+    from bake.phases.phase_b import module as phase_b
 
     base = ["phase_a=flap", "phase_b=default", "tracking.enabled=false"]
     # kept: the FIRST of the two evaluations, so that the trained tensors' last values are not
@@ -206,7 +207,7 @@ def test_adafactor_takes_the_same_steps_as_transformers_adafactor():
     the update's RMS clip, a parameter that skips a step (no gradient)."""
     from transformers.optimization import Adafactor as Reference
 
-    from bake.phases.adafactor import Adafactor
+    from bake.phases.phase_b.adafactor import Adafactor
 
     gen = torch.Generator().manual_seed(0)
     start = [

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from bake.plots import kept_figure, kept_plot, sweep_figure, sweep_plot
+from bake.tracking.plots import kept_figure, kept_plot, sweep_figure, sweep_plot
 
 
 def _drawn(fig):

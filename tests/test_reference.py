@@ -20,10 +20,12 @@ from reference_recipe import (
 )
 from test_phase_a import tcfg, tiny
 
-from bake import masks
+from bake.phases import masks, structure
 from bake.phases.common import Identity, make_trainer
-from bake.phases.phase_a import PhaseA, PhaseASettings
-from bake.phases.phase_b import PhaseB, PhaseBSettings
+from bake.phases.phase_a.mask import PhaseA
+from bake.phases.settings import PhaseASettings
+from bake.phases.phase_b.module import PhaseB
+from bake.phases.settings import PhaseBSettings
 
 
 def reference_of(stack) -> TinyLlama:
@@ -129,7 +131,7 @@ def test_phase_a_training_the_ffn_with_the_mask_equals_the_reference(tmp_path, l
     calib, held = data(7)
     g = torch.Generator().manual_seed(2)
     init = torch.randn(stack.num_virtual, stack.inter, generator=g, dtype=torch.float64) + 2.0
-    rule = masks.ShipRule(0.3, 1, False, 0.5, ranked=True)
+    rule = structure.ShipRule(0.3, 1, False, 0.5, ranked=True)
     s = PhaseASettings(
         steps=6, l1_init=0.5, l1_step=1.0, l1_mult=1.0, lr=0.05, eval_every=2, tau=0.5,
         target_sparsity=0.3, straight_through=True, eval_batch_size=3, controller=True,

@@ -9,7 +9,8 @@ import torch.nn.functional as F
 from reference_recipe import TinyLlama
 from test_phase_a import tiny
 
-from bake import repair
+from bake.phases import structure
+from bake.phases.phase_b import least_squares as repair
 
 pytestmark = pytest.mark.slow  # seconds per case: the repair and its reference, layer by layer
 
@@ -104,10 +105,10 @@ def test_least_squares_in_place_ships_its_solution_or_the_backbone(
     from conftest import last_run, report, run_bake, tiny_args
     from safetensors.torch import load_file
 
-    from bake import masks
+    from bake.phases import masks
 
     base = ["phase_a=flap", "phase_b.enabled=false", "tracking.enabled=false"]
-    choose = masks.select_repair if kept else (lambda ppls, baseline: None)
+    choose = structure.select_repair if kept else (lambda ppls, baseline: None)
     monkeypatch.setattr(masks, "select_repair", choose)
     assert run_bake(tiny_args(tmp_path / "ls", docs_dir, *base, "phase_b.least_squares=true")) == 0
     run = last_run(tmp_path / "ls")

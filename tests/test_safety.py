@@ -107,8 +107,10 @@ def _patch_for(stage: str, monkeypatch) -> None:
     import safetensors.torch
     import torch
 
-    from bake import corpus, export
-    from bake.phases import results, stage_b
+    from bake import corpus
+    from bake.export import model as export
+    from bake.phases.phase_a import results
+    from bake.phases.phase_b import stage as stage_b
 
     if stage == "corpus cache":
         monkeypatch.setattr(safetensors.torch, "save_file", _enospc)
@@ -144,7 +146,7 @@ def test_a_full_disk_at_any_stage_fails_in_one_line_and_records_it(
 
 
 def test_the_run_record_is_written_in_place_when_no_new_file_fits(tmp_path, monkeypatch):
-    from bake import runstate
+    from bake.run import record as runstate
 
     rec = runstate.RunRecord(str(tmp_path), {}, "h")
     rec.save()
@@ -158,7 +160,7 @@ def test_the_run_record_is_written_in_place_when_no_new_file_fits(tmp_path, monk
 
 
 def test_a_symlink_loop_is_walked_once_and_no_document_counts_twice(tmp_path):
-    from bake.corpus import list_documents
+    from bake.corpus.documents import list_documents
 
     docs = write_docs(tmp_path / "docs", 30)
     (docs / "loop").symlink_to(docs)  # a loop
@@ -174,7 +176,8 @@ def test_a_symlink_loop_is_walked_once_and_no_document_counts_twice(tmp_path):
 def test_the_same_content_under_two_names_is_read_once(tmp_path):
     from collections import Counter
 
-    from bake.corpus import _Doc, _read
+    from bake.corpus.documents import Document as _Doc
+    from bake.corpus.documents import read_document as _read
 
     for name in ("a.py", "b.py"):
         (tmp_path / name).write_text("def f():\n    return 1\n")
@@ -186,7 +189,7 @@ def test_the_same_content_under_two_names_is_read_once(tmp_path):
 def test_jsonl_counts_are_right_and_an_all_bad_file_says_why(tmp_path, capsys):
     from collections import Counter
 
-    from bake.corpus import list_documents
+    from bake.corpus.documents import list_documents
     from bake.errors import BakeError
 
     path = tmp_path / "c.jsonl"
@@ -451,7 +454,7 @@ def test_a_model_directory_that_cannot_be_read_is_one_line(tmp_path, damage, cap
 
 @pytest.mark.cli
 def test_a_truncated_gguf_file_is_one_line(tmp_path, capsys):
-    from bake.models.meta import gguf_path
+    from bake.models.files import gguf_path
 
     src = gguf_path(
         type(

@@ -9,7 +9,8 @@ from conftest import last_run, report, run_bake, tiny_args
 from safetensors.torch import load_file
 from test_phase_a import tiny
 
-from bake import masks, scores
+from bake.phases import masks, structure
+from bake.phases.phase_a import scores
 
 
 def _activations(stack, calib):
@@ -42,7 +43,7 @@ def test_wanda_logits_keep_the_top_scores():
     logits = scores.wanda_logits(score, 0.3)
     keep = masks.alive(logits, 0.5)
     assert keep.sum(dim=1).tolist() == [70, 70, 70]
-    assert torch.equal(keep, scores.keep_top(score, [70, 70, 70]))
+    assert torch.equal(keep, structure.keep_top(score, [70, 70, 70]))
     order = torch.argsort(logits[0], descending=True)
     assert torch.equal(order, torch.argsort(score[0], descending=True))  # revive by score
 

@@ -9,8 +9,13 @@ import torch
 from conftest import compose, last_run, run_bake, tiny_args
 from safetensors.torch import load_file
 
-from bake import masks
-from bake.unused import ignored
+from bake.config import unused
+from bake.models.sources import read_meta
+
+
+def ignored(cfg, overrides):
+    return unused.ignored(cfg, overrides, read_meta(cfg.model, cfg.paths.cache))
+from bake.phases import masks, structure
 
 
 def test_share_visits_ties_the_rows_of_each_layer():
@@ -27,12 +32,12 @@ def test_shared_rule_gives_every_visit_one_structure():
     the shared rule chooses on one pass and repeats it, the target still met."""
     layer = torch.arange(16, dtype=torch.float32).reshape(2, 8)
     logits = layer.repeat(2, 1)  # two passes over two layers, the visits tied
-    split = masks.ShipRule(0.4, 1, False, 0.5, ranked=True).keep(logits)
+    split = structure.ShipRule(0.4, 1, False, 0.5, ranked=True).keep(logits)
     assert not torch.equal(split[:2], split[2:])  # the defect the rule prevents
-    keep = masks.ShipRule(0.4, 1, False, 0.5, ranked=True, loops=2).keep(logits)
+    keep = structure.ShipRule(0.4, 1, False, 0.5, ranked=True, loops=2).keep(logits)
     assert torch.equal(keep[:2], keep[2:])
-    assert masks.reaches(masks.sparsity(keep), 0.4)
-    aligned = masks.ShipRule(0.4, 4, True, 0.5, loops=2).keep(logits)
+    assert structure.reaches(masks.sparsity(keep), 0.4)
+    aligned = structure.ShipRule(0.4, 4, True, 0.5, loops=2).keep(logits)
     assert torch.equal(aligned[:2], aligned[2:]) and set(aligned.sum(1).tolist()) == {4}
 
 

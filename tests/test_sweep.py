@@ -9,9 +9,9 @@ import pytest
 from conftest import compose
 from omegaconf import OmegaConf
 
-from bake import compare
-from bake.runnames import run_name, swept_overrides
-from bake.sweep import best_row, summarise, sweep_params
+from bake.tracking import compare
+from bake.tracking.runnames import run_name, swept_overrides
+from bake.tracking.sweep import best_row, summarise, sweep_params
 
 ISSUE_SWEEP = [
     "model=tiny",

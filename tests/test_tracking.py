@@ -235,7 +235,7 @@ def test_single_run_subprocess_prints_summary_and_ui_command(tmp_path, docs_dir)
 
 
 def test_metrics_are_rounded_to_what_a_person_reads_and_counts_stay_exact():
-    from bake.tracking import rounded
+    from bake.tracking.tracker import rounded
 
     assert rounded(259.53312683105469) == 259.533
     assert rounded(0.17500000000000002) == 0.175
@@ -247,7 +247,7 @@ def test_metrics_are_rounded_to_what_a_person_reads_and_counts_stay_exact():
 def test_an_experiment_made_before_opens_in_the_model_training_view(tmp_path):
     from omegaconf import OmegaConf
 
-    from bake.tracking import experiment_id
+    from bake.tracking.tracker import experiment_id
 
     c = client(tmp_path)
     made = c.create_experiment("bake")

@@ -6,7 +6,18 @@ from __future__ import annotations
 import pytest
 from conftest import compose, last_run, report, run_bake, tiny_args
 
-from bake.unused import ignored, unused
+from bake.config import unused as _unused
+from bake.models.sources import read_meta
+
+
+def ignored(cfg, overrides):
+    """The keys of ``overrides`` the composed ``cfg`` does not read (its model's metadata read
+    as validation reads it)."""
+    return _unused.ignored(cfg, overrides, read_meta(cfg.model, cfg.paths.cache))
+
+
+def unused(cfg):
+    return _unused.unused(cfg, read_meta(cfg.model, cfg.paths.cache))
 
 # Every key only a learned Phase A reads, with a valid value for it.
 LEARNED_ONLY = {

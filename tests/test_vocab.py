@@ -17,8 +17,10 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from bake import export, vocab
 from bake.errors import BakeError
+from bake.export import model as export
+from bake.export import vocab
+from bake.phases import structure
 
 WORDS = (
     "def return class import self value list dict print result index error data file path "
@@ -208,7 +210,7 @@ def test_the_smollm2_tokenizer(tmp_path):
     from conftest import compose
     from transformers import AutoTokenizer
 
-    from bake.models.meta import gguf_path
+    from bake.models.files import gguf_path
 
     src = gguf_path(compose([]).model)
     tok = AutoTokenizer.from_pretrained(src.parent, gguf_file=src.name)
@@ -282,7 +284,7 @@ def test_trimmed_export_has_the_logits_at_the_kept_ids(tmp_path, tied, family, p
     visits = torch.zeros(2, inter, dtype=torch.bool)
     for i, k in enumerate(counts):
         visits[i, :k] = True
-    keep = export.compute_keep(visits, visits, 2)
+    keep = structure.compute_keep(visits, visits, 2)
     plan = vocab.plan(tok, vocab.count_tokens(tok, texts[:20]), 1)
     assert len(plan.kept) < len(tok)
     full, small = tmp_path / "full", tmp_path / "small"

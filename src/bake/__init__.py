@@ -13,7 +13,7 @@ __all__ = ["load_baked", "main"]
 def __getattr__(name: str):
     # Lazy: `import bake` must stay cheap (a config error is reported in about a second).
     if name == "load_baked":
-        from bake.baked import load_baked
+        from bake.models.baked import load_baked
 
         return load_baked
     if name == "main":

@@ -20,7 +20,7 @@ import sys
 
 def entry() -> None:
     """Console-script entry point."""
-    from bake import console
+    from bake.tracking import console
 
     signal.signal(signal.SIGINT, console.defer_interrupt)
     try:

@@ -16,14 +16,14 @@ import sys
 import hydra
 
 from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
-from bake.layout import CONFIG_NAME, conf_dir
+from bake.config.layout import CONFIG_NAME, conf_dir
 
 CONF_DIR = str(conf_dir())  # the wheel's bake/conf, or the checkout's conf/
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg) -> float:
-    from bake.job import run_job
+    from bake.run.job import run_job
 
     return run_job(cfg)
 

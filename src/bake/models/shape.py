@@ -1,8 +1,8 @@
 """The sizes a memory plan needs, read from metadata alone: no torch, no weights.
 
 :class:`bake.models.meta.ModelMeta` holds what validation checks (layers, FFN width, loops);
-the plan (:mod:`bake.plan`) also needs the widths of attention and vocabulary, whether the head
-is tied, the parameter count and how the weights are stored, because the load holds them
+the plan (:mod:`bake.memory.plan`) also needs the widths of attention and vocabulary, whether
+the head is tied, the parameter count and how the weights are stored, because the load holds them
 twice for a moment. They come from config.json, the GGUF file's tensor records (exact counts,
 read without reading a tensor) or the tiny model's settings.
 """
@@ -13,8 +13,8 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bake.config import ModelKind
-from bake.models.meta import ModelMeta, gguf_header, read_config_json
+from bake.models.files import gguf_header
+from bake.models.meta import ModelMeta
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -33,7 +33,7 @@ class Shape:
     head_dim: int
     params: int  # every parameter of the model as loaded (a tied head counted once)
     largest: int  # elements of its largest tensor (the embedding, mostly)
-    reader: str  # tiny | transformers | gguf_convert | nanbeige: how the load holds the weights
+    reader: str  # how the load holds the weights: tiny | transformers | gguf_convert | own
     shards: tuple[int, ...] = ()  # bytes of each weight file (a Nanbeige checkpoint's shards)
     stored_bytes: int = 4  # bytes per parameter in the files
     tokenizer: int = 0  # bytes of its tokenizer.json (the byte-level tokenizer's: 0)
@@ -75,8 +75,10 @@ def from_config(
     reader: str,
     shards: tuple[int, ...] = (),
     directory: Path | None = None,
+    sandwich: bool = False,
 ) -> Shape:
-    """The shape of a config.json (or of the tiny model's equivalent) in ``directory``."""
+    """The shape of a config.json (or of the tiny model's equivalent) in ``directory``;
+    ``sandwich``: its family norms the FFN output (:attr:`Family.sandwich`)."""
     heads = int(cfg["num_attention_heads"])
     tied = bool(cfg.get("tie_word_embeddings", False))
     params, largest = _llama_params(cfg, tied)
@@ -96,15 +98,15 @@ def from_config(
         shards=shards,
         stored_bytes=_DTYPE_BYTES.get(dtype, 4),
         tokenizer=0 if reader == "tiny" else _tokenizer(directory, int(cfg["vocab_size"])),
-        sandwich=meta.model_type.startswith("gemma"),
+        sandwich=sandwich,
         window=meta.sliding_window,
     )
 
 
-def _tiny(mcfg, meta: ModelMeta) -> Shape:
+def tiny_shape(t, meta: ModelMeta) -> Shape:
+    """The tiny model's shape (``t``: the ``model.tiny`` section)."""
     from bake.models.tiny import VOCAB_SIZE
 
-    t = mcfg.tiny
     cfg = {
         "hidden_size": t.hidden_size,
         "intermediate_size": t.intermediate_size,
@@ -117,7 +119,9 @@ def _tiny(mcfg, meta: ModelMeta) -> Shape:
     return from_config(cfg, meta, "tiny")
 
 
-def _gguf(path: Path, meta: ModelMeta, converted: Path | None) -> Shape:
+def gguf_shape(path: Path, meta: ModelMeta, converted: Path | None, sandwich: bool) -> Shape:
+    """The shape of a GGUF file, its parameters counted from its tensor records; ``converted``:
+    its dequantised copy in the cache, if any."""
     header = gguf_header(path, tensors=True)
     arch = header["general.architecture"]
     dims = header["__tensors__"]
@@ -140,7 +144,7 @@ def _gguf(path: Path, meta: ModelMeta, converted: Path | None) -> Shape:
         largest=max(sizes),
         reader="transformers" if converted else "gguf_convert",
         tokenizer=_tokenizer(converted, vocab),
-        sandwich=meta.model_type.startswith("gemma"),
+        sandwich=sandwich,
         window=meta.sliding_window,
     )
 
@@ -152,7 +156,7 @@ def _numel(dims) -> int:
     return n
 
 
-def _shards(directory: Path) -> tuple[int, ...]:
+def shards(directory: Path) -> tuple[int, ...]:
     """Bytes of each safetensors file the checkpoint's index names (or of the single file)."""
     index = directory / "model.safetensors.index.json"
     if index.is_file():
@@ -160,29 +164,3 @@ def _shards(directory: Path) -> tuple[int, ...]:
     else:
         names = [p.name for p in sorted(directory.glob("*.safetensors"))]
     return tuple((directory / n).stat().st_size for n in names if (directory / n).is_file())
-
-
-def _converted(mcfg, source: Path, cache: str | Path) -> Path | None:
-    """The copy of the GGUF file already dequantised into the cache, if any (the load then
-    reads it; the first load converts, which holds more)."""
-    from bake.models.loader import _file_id
-
-    for marker in (Path(cache) / "models").glob(f"{mcfg.name}-*/bake_source.json"):
-        try:
-            if json.loads(marker.read_text()).get("source") == _file_id(source):
-                return marker.parent
-        except (OSError, ValueError):
-            continue
-    return None
-
-
-def read_shape(mcfg, meta: ModelMeta, cache: str | Path) -> Shape:
-    """The model's :class:`Shape` from the metadata validation has already located."""
-    kind = ModelKind(mcfg.kind)
-    if kind == ModelKind.tiny:
-        return _tiny(mcfg, meta)
-    source = Path(meta.source)
-    if kind == ModelKind.gguf:
-        return _gguf(source, meta, _converted(mcfg, source, cache))
-    reader = "nanbeige" if meta.model_type == "nanbeige" else "transformers"
-    return from_config(read_config_json(source), meta, reader, _shards(source), source)

@@ -154,7 +154,7 @@ class Identity:
 def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter (accelerator lines, tips) and the warnings a user
     cannot act on out of the bake's output (see :mod:`bake.console`)."""
-    from bake.console import quiet_libraries
+    from bake.tracking.console import quiet_libraries
 
     quiet_libraries()
 
@@ -214,7 +214,7 @@ def _streaming_io():
 
     class StreamingCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-            from bake.cache import seal
+            from bake.run.cache import seal
 
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -243,7 +243,7 @@ def make_trainer(
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from omegaconf import OmegaConf
 
-    from bake.console import interactive
+    from bake.tracking.console import interactive
 
     quiet_lightning()
     evaluates = steps >= eval_every
@@ -298,8 +298,8 @@ def make_trainer(
 def verified_checkpoint(path: Path) -> Path:
     """``path`` when it matches the checksum written beside it; BakeError naming it when not
     (a flipped byte or a truncated file is refused, never resumed from)."""
-    from bake.cache import checksum
     from bake.errors import BakeError
+    from bake.run.cache import checksum
 
     side = path.with_name(path.name + ".sha256")
     try:
@@ -350,13 +350,6 @@ def best_state(phase_dir: Path) -> dict | None:
     verified_checkpoint(best)
     # mmap: only the tensors read are paged in (not the optimizer state beside them)
     return torch.load(best, map_location="cpu", weights_only=True, mmap=True)["state_dict"]
-
-
-def rank_zero() -> bool:
-    """True in the process that owns files and tracking (always, without DDP)."""
-    import os
-
-    return os.environ.get("LOCAL_RANK", "0") == "0" and os.environ.get("NODE_RANK", "0") == "0"
 
 
 OnEvaluation = Callable[[dict], None]

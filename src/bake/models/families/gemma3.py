@@ -16,10 +16,11 @@ Gemma 3's released checkpoints do not use and the Stack does not compute.
 
 from __future__ import annotations
 
-from bake.models.family import Family, Rule, activation_rule, register, types_windows
+from bake.models.families import Family, Rule, activation_rule, register, types_windows
 
 GEMMA3_WINDOW = 4096  # Gemma3TextConfig's sliding_window default
 GEMMA3_PATTERN = 6  # every sixth layer is a full-attention layer when layer_types is omitted
+LLAMA_CPP_SWA_PERIOD = 6  # llama.cpp's gemma3: every 6th layer attends globally, the rest slide
 
 
 def activation(cfg: dict) -> str:
@@ -38,6 +39,26 @@ def windows(cfg: dict, n: int) -> list[int | None]:
 def window(cfg: dict) -> int | None:
     found = [w for w in windows(cfg, int(cfg["num_hidden_layers"])) if w]
     return found[0] if found else None
+
+
+def llama_cpp_checks(kind: str, cfg: dict) -> list[str]:
+    """What llama.cpp's gemma3 assumes: attention scaled by 1/sqrt(head_dim), and every 6th
+    layer global with the others sliding."""
+    out = []
+    scalar, head_dim = cfg.get("query_pre_attn_scalar"), cfg.get("head_dim")
+    if scalar is not None and head_dim is not None and scalar != head_dim:
+        out.append(
+            f"export.gguf={kind}: llama.cpp's gemma3 scales attention by 1/sqrt(head_dim "
+            f"{head_dim}), this model by 1/sqrt({scalar})"
+        )
+    types = cfg.get("layer_types") or []
+    pattern = [(i + 1) % LLAMA_CPP_SWA_PERIOD != 0 for i in range(len(types))]
+    if cfg.get("sliding_window") and [t == "sliding_attention" for t in types] != pattern:
+        out.append(
+            f"export.gguf={kind}: llama.cpp's gemma3 has every {LLAMA_CPP_SWA_PERIOD}th layer "
+            f"global and the others sliding; this model's layer_types differ"
+        )
+    return out
 
 
 def _none(value) -> bool:
@@ -74,5 +95,13 @@ FAMILY = register(
         window=window,
         windows=windows,
         activation=activation,
+        norm_before_ffn="pre_feedforward_layernorm",
+        norm_after_attention="post_attention_layernorm",
+        norm_after_ffn="post_feedforward_layernorm",
+        rope_by_layer_type=True,
+        scaled_embedding=True,
+        llama_cpp="gemma3",
+        llama_cpp_windows=True,
+        llama_cpp_checks=llama_cpp_checks,
     )
 )

@@ -7,7 +7,7 @@ reproduced and written unchanged; an MLP with biases is not (the fused FFN has n
 
 from __future__ import annotations
 
-from bake.models.family import SILU, Family, Rule, falsy, register
+from bake.models.families import SILU, Family, Rule, falsy, register
 
 FAMILY = register(
     Family(
@@ -18,5 +18,8 @@ FAMILY = register(
             SILU,
             Rule("mlp_bias", falsy, "mlp_bias=false", "the fused FFN has no biases", False),
         ),
+        llama_cpp="llama",
+        llama_cpp_per_layer=True,  # llama.cpp's deci: Llama layers of per-layer widths
+        llama_cpp_looped=True,  # llama.cpp's nanbeige: Llama layers run in a loop
     )
 )

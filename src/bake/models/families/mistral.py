@@ -7,7 +7,7 @@ Mistral models carry architecture ``llama`` and are read as Llama.
 
 from __future__ import annotations
 
-from bake.models.family import Family, register
+from bake.models.families import Family, register
 
 MISTRAL_WINDOW = 4096  # MistralConfig's sliding_window when config.json omits the key
 

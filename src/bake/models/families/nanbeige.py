@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
-from bake.models.family import SILU, Family, Rule, falsy, register
+from bake.models.families import SILU, Family, Rule, falsy, register
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
@@ -129,7 +129,9 @@ FAMILY = register(
             Rule("mlp_bias", falsy, "mlp_bias=false", "the fused FFN has no biases", False),
             *(Rule(k, falsy, f"{k}=false", "not in a Llama layer", False) for k in _UNSUPPORTED),
         ),
+        kind="nanbeige",  # model=nanbeige reads its directory with load_nanbeige
         loops=num_loops,
         read=load_nanbeige,
+        llama_cpp_looped=True,  # llama.cpp's nanbeige is this family's own architecture
     )
 )

@@ -6,7 +6,7 @@ calls applies and the export writes unchanged. Sliding layers (``use_sliding_win
 
 from __future__ import annotations
 
-from bake.models.family import Family, register, types_windows
+from bake.models.families import Family, register, types_windows
 
 QWEN_WINDOW = 4096  # Qwen2Config's / Qwen3Config's sliding_window default
 QWEN_WINDOW_LAYERS = 28  # their max_window_layers default
@@ -36,5 +36,12 @@ def window(cfg: dict) -> int | None:
 
 
 FAMILY = register(
-    Family(model_type="qwen2", label="Qwen2", gguf_arch="qwen2", window=window, windows=windows)
+    Family(
+        model_type="qwen2",
+        label="Qwen2",
+        gguf_arch="qwen2",
+        window=window,
+        windows=windows,
+        llama_cpp="qwen2",
+    )
 )

@@ -5,9 +5,16 @@ biases likewise. Its sliding layers follow Qwen2's rule.
 
 from __future__ import annotations
 
+from bake.models.families import Family, register
 from bake.models.families.qwen2 import window, windows
-from bake.models.family import Family, register
 
 FAMILY = register(
-    Family(model_type="qwen3", label="Qwen3", gguf_arch="qwen3", window=window, windows=windows)
+    Family(
+        model_type="qwen3",
+        label="Qwen3",
+        gguf_arch="qwen3",
+        window=window,
+        windows=windows,
+        llama_cpp="qwen3",
+    )
 )

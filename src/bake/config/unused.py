@@ -1,0 +1,173 @@
+"""Settings the composed configuration does not read: no key is ignored silently.
+
+Every rule names a key, the condition under which nothing reads it, and what it does where it
+is read. A key given on the command line that a rule marks unused gets one warning line
+(``phase_a.l1_mult=2 is not used by phase_a.method=flap: it scales the learned mask's L1
+penalty``) and a place in report.json (``settings.ignored``); keys a preset merely inherits are
+not the user's doing and are not reported.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from bake.models.meta import ModelMeta
+
+
+@dataclass(frozen=True)
+class Unused:
+    """A key the composed config does not read, why, and what it does elsewhere."""
+
+    key: str
+    value: object
+    because: str  # the setting that makes it unused, as `key=value`
+    does: str  # what the key does where it is read
+
+    def line(self) -> str:
+        return f"{self.key}={self.value} is not used by {self.because}: {self.does}"
+
+    def as_dict(self) -> dict:
+        return {"key": self.key, "value": self.value, "because": self.because, "does": self.does}
+
+
+def _phase_b_off(cfg) -> str | None:
+    return None if cfg.phase_b.enabled else "phase_b.enabled=false"
+
+
+def _layers_off(cfg) -> str | None:
+    b = cfg.phase_b
+    if not b.enabled:
+        return "phase_b.enabled=false"
+    return "phase_b.all_layers=true" if b.all_layers else None
+
+
+def _nothing_trains(cfg) -> str | None:
+    """Neither phase trains: a training-free Phase A and no Phase B."""
+    from bake.phases.settings import trains
+
+    if trains(str(cfg.phase_a.method)) or cfg.phase_b.enabled:
+        return None
+    return f"phase_a.method={cfg.phase_a.method} and phase_b.enabled=false"
+
+
+def _ls_off(cfg) -> str | None:
+    return None if cfg.phase_b.least_squares else "phase_b.least_squares=false"
+
+
+def _vocab_off(cfg) -> str | None:
+    return None if cfg.export.vocab == "task" else f"export.vocab={cfg.export.vocab}"
+
+
+def _not_looped(cfg, meta: ModelMeta) -> str | None:
+    """The model runs one pass (``model.loops``, or its checkpoint, says 1)."""
+    loops = cfg.model.loops or meta.loops
+    return None if loops > 1 else f"model.loops={loops} (the model does not loop)"
+
+
+def _source_is(*sources: str) -> Callable[[object], str | None]:
+    def rule(cfg) -> str | None:
+        src = str(cfg.corpus.source)
+        return None if src in sources else f"corpus.source={src}"
+
+    return rule
+
+
+# What each phase_a key does where it is read. Which keys a method reads is the method's own
+# (READS and unread() of its module, bake.phases.phase_a).
+PHASE_A: dict[str, str] = {
+    "phase_a.steps": "the learned mask's optimiser steps",
+    "phase_a.lr": "the learning rate of the learned mask's logits",
+    "phase_a.eval_every": "the steps between the learned mask's evaluations",
+    "phase_a.l1_mult": "it scales the learned mask's L1 penalty",
+    "phase_a.l1_init": "the learned mask's L1 weight at step 0 (times l1_mult)",
+    "phase_a.l1_step": "the growth of the learned mask's L1 weight (times l1_mult)",
+    "phase_a.gate": "the learned mask's gate (the controller is always hard)",
+    "phase_a.init": "where the learned mask's logits start",
+    "phase_a.init_logit": "the learned mask's starting logit",
+    "phase_a.tau": "the threshold that binarises the learned mask's gates",
+    "phase_a.controller": "how the learned mask reaches its target",
+    "phase_a.ramp": "how fast the controller ramps to the target",
+    "phase_a.train_ffn": "whether the FFN weights train with the learned mask",
+    "phase_a.ffn_lr": "the learning rate of the FFN weights Phase A trains",
+    "phase_a.shared_visits": "one mask per physical layer for all its visits",
+}
+# key -> (the condition that leaves it unread, what it does where it is read)
+RULES: dict[str, tuple[Callable, str]] = {
+    "phase_b.steps": (_phase_b_off, "Phase B's optimiser steps"),
+    "phase_b.lr": (_phase_b_off, "Phase B's learning rate"),
+    "phase_b.eval_every": (_phase_b_off, "the steps between Phase B's evaluations"),
+    "phase_b.distill": (_phase_b_off, "Phase B's distillation weight"),
+    "phase_b.all_layers": (_phase_b_off, "whether Phase B trains every layer"),
+    "phase_b.layers": (_layers_off, "how many of the last layers Phase B trains"),
+    "phase_b.optimizer": (_phase_b_off, "Phase B's optimiser"),
+    "phase_b.block_layers": (_phase_b_off, "how many layers Phase B trains at a time"),
+    "trainer.activation_checkpointing": (
+        _nothing_trains,
+        "whether a training step recomputes each layer's FFN in the backward",
+    ),
+    "phase_b.ls_chunks": (_ls_off, "the chunks the least-squares repair is fitted on"),
+    "phase_b.ls_ridge": (_ls_off, "the least-squares repair's ridge"),
+    "phase_b.ls_drift": (_ls_off, "how much drift the least-squares repair undoes"),
+    "export.vocab_min_count": (_vocab_off, "the occurrences a token needs to stay (vocab=task)"),
+    "corpus.glob": (_source_is("text_files"), "the files of corpus=text_files"),
+    "corpus.path": (_source_is("jsonl"), "the file of corpus=jsonl"),
+    "corpus.field": (_source_is("jsonl"), "the text field of corpus=jsonl"),
+}
+
+
+def _phase_a(cfg, meta: ModelMeta) -> dict[str, str]:
+    """phase_a key -> the setting that leaves it unread: the keys the composed method does not
+    read at all, those it does not read with its other settings, and shared_visits on a model
+    that does not loop."""
+    from bake.phases import phase_a
+
+    a = cfg.phase_a
+    method = phase_a.method(str(a.method))
+    because = {k: f"phase_a.method={a.method}" for k in a.keys() if k not in method.READS}
+    because |= getattr(method, "unread", lambda _: {})(a)
+    looped = _not_looped(cfg, meta)
+    if looped is not None:
+        because.setdefault("shared_visits", looped)
+    return {f"phase_a.{k}": why for k, why in because.items() if f"phase_a.{k}" in PHASE_A}
+
+
+def unused(cfg, meta: ModelMeta) -> dict[str, Unused]:
+    """Every key the composed ``cfg`` (of a model of shape ``meta``) does not read."""
+    from omegaconf import OmegaConf
+
+    found = {key: (why, PHASE_A[key]) for key, why in _phase_a(cfg, meta).items()}
+    for key, (rule, does) in RULES.items():
+        because = rule(cfg)
+        if because is not None:
+            found[key] = (because, does)
+    return {
+        key: Unused(key, _plain(OmegaConf.select(cfg, key)), because, does)
+        for key, (because, does) in found.items()
+    }
+
+
+def _plain(value):
+    return value.value if hasattr(value, "value") else value
+
+
+def given(overrides: list[str]) -> list[str]:
+    """The dotted keys a command line sets (``key=value``, ``+key=value``), in order."""
+    keys = []
+    for o in overrides:
+        key = o.split("=", 1)[0].lstrip("+~")
+        if "." in key and "=" in o and not key.startswith("hydra.") and key not in keys:
+            keys.append(key)  # a key given twice counts once (its last value wins)
+    return keys
+
+
+def ignored(cfg, overrides: list[str], meta: ModelMeta) -> list[Unused]:
+    """The keys the command line sets that the composed ``cfg`` does not read, each with the
+    value as the command line wrote it."""
+    from dataclasses import replace
+
+    found = unused(cfg, meta)
+    typed = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}
+    return [replace(found[k], value=typed[k]) for k in given(overrides) if k in found]

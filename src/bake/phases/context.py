@@ -1,0 +1,132 @@
+"""The run context: what the stages of one bake share as it runs.
+
+It holds the settings resolved once (:class:`bake.phases.settings.Settings`), the loaded model
+and corpus, the run's record and tracker, the cache keys of Phase A's results, and what the
+report gathers (seconds and peak memory per stage, the backbone's bits per byte). Every
+held-out number a bake compares (backbone, masked, each repair, exported) is measured here, on
+one device in one precision (:meth:`RunContext.held_ppl`).
+"""
+
+from __future__ import annotations
+
+import gc
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+from bake.memory import measure
+from bake.models.stack import FfnOverride, held_nll, perplexity
+from bake.run.ranks import rank_zero
+
+if TYPE_CHECKING:
+    from bake.corpus.splits import Corpus
+    from bake.export.vocab import Trim
+    from bake.models.loader import LoadedModel
+    from bake.phases.phase_a.results import PhaseAResult, Selection
+    from bake.phases.phase_b.repaired import Repaired
+    from bake.phases.settings import Settings
+    from bake.phases.structure import Keep
+    from bake.run.record import RunRecord
+    from bake.tracking.tracker import Tracker
+
+
+@dataclass(frozen=True)
+class Keys:
+    """The identities of Phase A's cached results, known once the model and corpus are."""
+
+    phase_a: str  # everything Phase A's result depends on
+    phase_a_resume: str  # what a Phase A checkpoint must match to be resumed
+    stats: str  # what the activation statistics depend on
+
+
+@dataclass
+class RunContext:
+    """What the stages of one bake share."""
+
+    settings: Settings
+    run_dir: Path
+    record: RunRecord
+    tracker: Tracker
+    model: LoadedModel = field(init=False, repr=False)  # set when loaded, dropped for export
+    corpus: Corpus = field(init=False, repr=False)  # set when loaded
+    keys: Keys = field(init=False, repr=False)  # set once model and corpus are loaded
+    seconds: dict = field(default_factory=dict)
+    memory: measure.PeakTracker = field(default_factory=measure.PeakTracker)
+    texts: dict = field(default_factory=dict)  # split -> the chunks' text (bits per byte)
+    bpb: dict = field(default_factory=dict)  # split -> the backbone's bits per byte
+    trim: Trim | None = None  # the task-trimmed vocabulary the export writes (export.vocab)
+    ignored: list = field(default_factory=list)  # command-line keys nothing reads
+    plan: dict | None = None  # the memory plan made before loading (bake.memory.budget)
+
+    @property
+    def cache(self) -> Path:
+        return self.settings.cache
+
+    @property
+    def device(self) -> torch.device:
+        return self.settings.device
+
+    @property
+    def precision(self) -> str:
+        return self.settings.precision
+
+    def shareable(self, phase: str) -> bool:
+        """Whether this run's result of ``phase`` may go to the shared cache: not when the
+        phase was resumed with changed settings."""
+        return phase not in self.record.changed_phases()
+
+    def mark_done(self, phase: str) -> None:
+        """Mark a phase finished in the run's record: a resume may no longer change its
+        settings."""
+        if rank_zero():
+            self.record.stages[f"{phase}_done"] = True
+            self.record.save()
+
+    def release_model(self) -> None:
+        """Drop this process's references to the backbone (it is reloaded from the cache when
+        needed again), so that the export can be loaded back without two models in memory."""
+        from bake.models import loader
+
+        loader.forget_all()
+        del self.model
+        gc.collect()
+        measure.trim()
+
+    def held_ppl(
+        self, gates: Tensor | None = None, ffn: FfnOverride | None = None, chunks=None
+    ) -> float:
+        """Held-out perplexity (or of ``chunks``) with ``gates`` (a keep mask or 0/1 gates,
+        one row per virtual layer) and FFN weights ``ffn`` over the backbone's."""
+        if gates is not None:
+            gates = gates.to(self.device, torch.float32)
+        nll, n = held_nll(
+            self.model.stack,
+            self.corpus.held if chunks is None else chunks,
+            gates,
+            ffn,
+            self.settings.eval_batch,
+            self.precision,
+        )
+        return perplexity(nll, n)
+
+
+@dataclass
+class Outcome:
+    """What the phases produced, for the export and the report."""
+
+    backbone: float  # held-out perplexity of the backbone
+    backbone_test: float | None  # on the test split (None: no test split)
+    result: PhaseAResult
+    selection: Selection
+    keep: Keep  # the structure the repairs worked on (on the default path, what ships)
+    masked: float  # held-out perplexity of that structure on the backbone's weights
+    least_squares: Repaired  # after the least-squares repair (or the masked state)
+    final: Repaired  # after Phase B: the FFN weights that ship and their perplexity
+    t_start: float
+
+    @property
+    def overlaid(self) -> float:
+        return self.final.ppl

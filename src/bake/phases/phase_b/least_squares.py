@@ -1,0 +1,269 @@
+"""Closed-form repair: a least-squares reconstruction of every pruned layer's ``down_proj``.
+
+For each virtual layer, in order, over the calibration chunks: the FFN's activations ``a`` of
+the PRUNED model's own input (the repaired layers below it included) are gathered into a Gram
+matrix G = sum a a^T, and the kept columns of ``down_proj`` are solved for a target ``t``:
+
+    W'[:, K] = R[:, K] (G[K, K] + lambda I)^-1,  R = sum t a^T,  lambda = ridge * mean diag G[K, K]
+
+(the normal equations of min ||W'[:, K] a_K - t||^2), with the target
+
+    t = W a(x_p) + drift * ((x_o + W a(x_o)) - (x_p + W a(x_p)))
+
+x_p and x_o being the pruned and the UNPRUNED residual streams after the layer's attention.
+``drift`` (``phase_b.ls_drift``) is how much of the drift the layers below left this layer
+undoes: 0 reconstructs the layer itself (the kept neurons reproduce the whole FFN on the input
+it now gets), 1 makes the pruned stream rejoin the unpruned one after the layer. Between them
+is best measured (SmolLM2 at 20%, held-out: 9.85 at 0, 9.69 at 1, 9.64 at 0.5).
+
+On Gemma's layers the FFN output passes a norm before the residual add; the stream is not
+linear in ``down_proj`` there, and drift 0 is used. The repaired layer feeds the next one. On a
+looped model a physical layer's ``down_proj`` serves every visit, each with its own gates: the
+visits' normal equations are summed (each visit's gates restricting the kept columns), and the
+solution is refreshed at every visit with what is known by then. One forward pass over the
+calibration set (two streams when drift > 0); sums are formed in float32 per batch and added in
+float64; the solve is a float64 Cholesky.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+from bake.models.stack import FfnOverride, Stack
+from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
+from bake.phases.structure import select_repair
+from bake.run.cache import digest
+from bake.run.ranks import rank_name
+
+if TYPE_CHECKING:
+    from bake.phases.context import RunContext
+    from bake.phases.structure import Keep
+
+log = logging.getLogger("bake")
+
+FfnWeights = tuple[Tensor, Tensor, Tensor]
+
+
+class _Normal:
+    """The accumulated normal equations of one physical layer: M W'^T = R^T."""
+
+    def __init__(self, kept: Tensor, hidden: int, dtype=torch.float64):
+        self.kept = kept  # indices of the physical layer's kept neurons
+        k = kept.numel()
+        self.m = torch.zeros(k, k, dtype=dtype)
+        self.r = torch.zeros(hidden, k, dtype=dtype)
+
+    def add(self, gram: Tensor, cross: Tensor, gate: Tensor) -> None:
+        """One visit's Gram matrix and target cross sums (full width, float64), with its gates
+        on the kept columns."""
+        k, d = self.kept, gate[self.kept].to(gram.dtype)
+        self.m += d[:, None] * gram[k][:, k] * d[None, :]
+        self.r += cross[:, k] * d[None, :]
+
+    def solve(self, ridge: float) -> Tensor:
+        """The kept columns of the new ``down_proj`` [hidden, kept]."""
+        diag = self.m.diagonal()
+        lam = ridge * float(diag.mean()) if diag.numel() else 0.0
+        a = self.m + lam * torch.eye(self.m.shape[0], dtype=self.m.dtype)
+        a.diagonal().add_(1e-12 * max(float(diag.max()) if diag.numel() else 0.0, 1.0))
+        chol = torch.linalg.cholesky(a)
+        return torch.cholesky_solve(self.r.T.contiguous(), chol).T
+
+
+@torch.inference_mode()
+def least_squares(
+    stack: Stack,
+    calib: Tensor,
+    visits: Tensor,
+    physical: Tensor,
+    ridge: float = 1e-3,
+    batch: int = 8,
+    drift: float = 0.5,
+    base: FfnOverride | None = None,
+    downs: Sequence[Tensor] | None = None,
+) -> dict[int, FfnWeights]:
+    """Repaired FFN weights of every physical layer (gate, up unchanged; ``down_proj`` with its
+    kept columns solved and its dropped columns zero), from one pass over ``calib`` [n, seq].
+
+    ``visits`` [num_virtual, inter] and ``physical`` [num_layers, inter] are the keep masks
+    that ship (bool); ``drift`` in [0, 1] (see the module docstring). ``base``: the FFN
+    weights of the UNPRUNED model to reconstruct, where they are not the backbone's (a Phase A
+    that trained them); gate and up stay those. ``downs``: one tensor per physical layer that
+    its solved ``down_proj`` is written into (new ones when None); on a model that does not
+    loop they may be the backbone's own ``down_proj`` (each is read for the last time before its
+    layer's solution overwrites it), never on a looped one (its later passes read them).
+    """
+    if not 0.0 <= drift <= 1.0:
+        raise ValueError(f"drift={drift}: not in [0, 1]")
+    stream = drift > 0 and not stack.sandwich
+    device = stack.device
+    n = calib.shape[0]
+    first = stack.embed(calib[:batch].to(device))
+    h = first.new_empty(n, *first.shape[1:])  # filled in place: never a second copy of it
+    h[: first.shape[0]] = first
+    for i in range(batch, n, batch):
+        h[i : i + batch] = stack.embed(calib[i : i + batch].to(device))
+    del first
+    h_o = h.clone() if stream else None  # the unpruned stream
+    ropes, amasks = stack.positions(h[:1])
+    inter = stack.inter
+    # A layer's equations exist from its first visit to its last: one layer's at a time on a
+    # model that does not loop, every layer's from the second pass on a looped one.
+    normals: dict[int, _Normal] = {}
+    out: dict[int, FfnWeights] = {}
+    layers = range(stack.num_layers)
+    if downs is None:
+        downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
+    if stack.loops > 1 and any(downs[li] is stack.ffn_weights(li)[2] for li in layers):
+        raise ValueError("least_squares: a looped model's down_proj cannot take the solution")
+    # the per-batch sums in float32, added into the float64 ones: buffers reused across batches
+    # (as many short-lived blocks of these sizes fragment the C heap on CPU)
+    part = h.new_empty(inter, inter)
+    part_x = h.new_empty(stack.hidden_size, inter) if stream else None
+    last = stack.num_virtual - 1
+    for v in range(stack.num_virtual):
+        li = v % stack.num_layers
+        wg, wu, wd = base[li] if base is not None and li in base else stack.ffn_weights(li)
+        gate = visits[v].to(device, h.dtype)
+        gram = torch.zeros(inter, inter, dtype=torch.float64, device=device)
+        cross = torch.zeros(stack.hidden_size, inter, dtype=torch.float64, device=device)
+        for i in range(0, n, batch):
+            x = stack.attend(li, h[i : i + batch], ropes, amasks)
+            h[i : i + batch] = x
+            a = stack.activations(stack.ffn_input(li, x), wg, wu)
+            a2 = a.reshape(-1, inter)
+            gram += torch.mm(a2.T, a2, out=part)
+            if h_o is not None:  # the drift part of the target; W a's part is W G below
+                x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
+                y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
+                h_o[i : i + batch] = x_o + y_o
+                off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
+                cross += torch.mm(off.T, a2, out=part_x)
+        cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
+        if li not in normals:
+            normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
+        normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
+        del gram, cross
+        down = downs[li].zero_()
+        down[:, normals[li].kept.to(device)] = normals[li].solve(ridge).to(device, wd.dtype)
+        if v + stack.num_layers > last:  # no later visit of this layer adds to its equations
+            del normals[li]
+        out[li] = (wg, wu, down)
+        for i in range(0, n, batch):
+            x = h[i : i + batch]
+            a = stack.activations(stack.ffn_input(li, x), wg, wu).mul_(gate)
+            h[i : i + batch] = x + stack.ffn_output(li, F.linear(a, down))
+        if stack.loop_norm and li == stack.num_layers - 1 and v < last:
+            h = stack.norm(h)
+            if h_o is not None:
+                h_o = stack.norm(h_o)
+    return out
+
+
+def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
+    """The closed-form repair of every layer's ``down_proj`` (``phase_b.least_squares``),
+    computed once per run directory (a resumed bake reads it back).
+
+    On the default path (a model that does not loop, no FFN trained by Phase A, no
+    distillation) the solution is written over the backbone's ``down_proj`` tensors, whose
+    values are saved first and restored when the repair is not kept: no second set of them is
+    held through least squares, Phase B and the export. A looped model's later passes read the
+    unpruned ``down_proj``, and distillation's teacher is the backbone: separate tensors there.
+    """
+    from bake.models import loader
+
+    ls, distill = ctx.settings.least_squares, ctx.settings.phase_b.distill
+    if not ls.enabled:
+        return Repaired(start.ffn, start.ppl, {"enabled": False})
+    if bool(keep.visits.all()):  # no neuron removed: nothing to reconstruct (the dense row)
+        log.info("[LS] least-squares repair: skipped, no neuron was removed")
+        return Repaired(start.ffn, start.ppl, {"enabled": True, "skipped": "nothing pruned"})
+    t0 = time.perf_counter()
+    stack = ctx.model.stack
+    path = ctx.run_dir / "checkpoints" / "least_squares.safetensors"
+    mask = keep.visits.to(torch.uint8).flatten()
+    saved = _read_downs(path, mask, stack.num_layers)
+    if stack.sandwich and ls.drift > 0:
+        log.warning(
+            "phase_b.ls_drift=%s is not used by this model's layers (a norm after the FFN, as "
+            "Gemma's): each layer's repair reconstructs the layer itself (drift 0)",
+            ls.drift,
+        )
+    layers = range(stack.num_layers)
+    in_place = start.ffn is None and distill == 0 and stack.loops == 1
+    originals = ctx.run_dir / "checkpoints" / f"least_squares_start.{rank_name()}.safetensors"
+    if in_place:
+        loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
+        downs = [stack.ffn_weights(li)[2] for li in layers]
+        save_values(originals, downs)
+    elif saved is not None:  # a resumed bake's solution, read as it is
+        downs = saved
+    else:  # made outside inference mode: Phase B may train them in place
+        downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
+    if saved is None:
+        least_squares(
+            stack,
+            ctx.corpus.calib[: ls.chunks],
+            keep.visits,
+            keep.physical,
+            ls.ridge,
+            drift=ls.drift,
+            base=start.ffn,
+            downs=downs,
+        )
+        _save_downs(path, downs, mask)
+    elif in_place:
+        with torch.no_grad():
+            for d, value in zip(downs, saved, strict=True):
+                d.copy_(value)
+        del saved
+    base = start.ffn or {}  # gate and up stay those the repair started from
+    ffn = {li: (*(base.get(li) or stack.ffn_weights(li))[:2], downs[li]) for li in layers}
+    ppl = ctx.held_ppl(keep.visits, ffn)
+    kept = select_repair([ppl], start.ppl) is not None
+    if in_place:
+        if not kept:
+            restore_values(downs, originals)
+        originals.unlink(missing_ok=True)
+    info = {
+        "enabled": True,
+        "held_ppl": ppl,
+        "improved": kept,
+        "chunks": int(min(ls.chunks, ctx.corpus.calib.shape[0])),
+        "seconds": time.perf_counter() - t0,
+    }
+    verdict = "kept: below" if kept else "not kept: not below"
+    log.info("[LS] least-squares repair: held-PPL %.3f (%s %.3f)", ppl, verdict, start.ppl)
+    if not kept:
+        return Repaired(start.ffn, start.ppl, info)
+    return Repaired(ffn, ppl, info)
+
+
+def _read_downs(path, mask, layers: int) -> list | None:
+    """A run's saved least-squares solution, when it was made for this keep mask."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        return None
+    saved = load_file(path)
+    if saved.get("mask") is None or digest(saved["mask"].tolist()) != digest(mask.tolist()):
+        return None
+    return [saved[f"down.{li}"] for li in range(layers)]
+
+
+def _save_downs(path, downs: list, mask) -> None:
+    """The repaired ``down_proj`` weights of a run, for its resume (atomic)."""
+    from safetensors.torch import save_file
+
+    from bake.run.files import atomic_write
+
+    tensors = {f"down.{li}": d.detach().cpu() for li, d in enumerate(downs)}
+    with atomic_write(path) as tmp:
+        save_file(tensors | {"mask": mask.cpu()}, str(tmp))

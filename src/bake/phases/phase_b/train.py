@@ -1,0 +1,145 @@
+"""Phase B as a stage of a bake: the gradient repair of the FFN with the structure that ships
+active (:class:`bake.phases.phase_b.module.PhaseB`), from the weights the repairs so far kept,
+kept only when an evaluation beats them.
+
+Without distillation it trains the bake's own tensors in place: they are saved first and
+restored when no evaluation is kept.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import time
+from dataclasses import replace
+from typing import TYPE_CHECKING
+
+import torch
+
+from bake.memory import measure
+from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
+from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
+from bake.run.cache import digest
+from bake.run.ranks import rank_name
+
+if TYPE_CHECKING:
+    from bake.phases.common import OnEvaluation
+    from bake.phases.context import RunContext
+    from bake.phases.structure import Keep
+
+log = logging.getLogger("bake")
+
+
+def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluation) -> Repaired:
+    """Phase B's gradient repair of the chosen layers, from the weights so far."""
+    from bake.phases.phase_b.module import PhaseB
+
+    stack, a = ctx.model.stack, ctx.settings.phase_a
+    settings = replace(ctx.settings.phase_b, baseline=start.ppl)
+    if not settings.enabled:
+        return Repaired(start.ffn, start.ppl, {"enabled": False, "note": "phase_b.enabled=false"})
+    gates = keep.visits.float()
+    config = ctx.settings.config["phase_b"]
+    resumable = {k: v for k, v in config.items() if k != "lr"}  # a resume may lower it
+    key = digest(
+        {
+            "a": ctx.keys.phase_a_resume if a.trains else "baseline",
+            "mask": digest(keep.visits.to(torch.uint8).flatten().tolist()),
+            "b": resumable,
+            "start": start.ppl,
+        }
+    )
+    # After a Phase A that trained the FFN (phase_a.train_ffn) on its first steps' chunks, Phase
+    # B continues on the chunks after them: the FFN never sees a chunk twice within one pass
+    # over the calibration set, as one run of both phases' steps would.
+    calib = ctx.corpus.calib
+    if start.ffn and a.trains and a.train_ffn:
+        calib = calib.roll(-(a.steps % max(1, calib.shape[0])), dims=0)
+    module = PhaseB(
+        stack,
+        calib,
+        ctx.corpus.held,
+        settings,
+        gates,
+        Identity(ctx.model.key, key),
+        on_evaluation,
+        start.ffn,
+    )
+    phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
+    start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank_name()}.safetensors"
+    if settings.in_place:  # the weights it trains are the bake's own: saved to come back to
+        from bake.models import loader
+
+        loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
+        if not start_file.is_file():  # (a resumed bake wrote it before its first step)
+            save_values(start_file, list(module.ffn))
+    trainer = make_trainer(
+        ctx.settings.trainer, phase_dir, settings.steps, settings.eval_every, "phase_b/select"
+    )
+    t0 = time.perf_counter()
+    fit(trainer, module, resume_point(phase_dir) if ctx.settings.resume else None)
+    evaluations, layers, kept = list(module.evaluations), list(module.layer_ids), module.choice()
+    live = [p.detach() for p in module.ffn] if settings.in_place else None
+    info = {
+        "enabled": True,
+        "layers": layers,
+        "all_layers": settings.all_layers,
+        "distill": settings.distill,
+        "optimizer": settings.optimizer,
+        "block_layers": settings.block_layers,
+        "evaluations": evaluations,
+        "seconds_train": time.perf_counter() - t0,
+        "sec_fwd_bwd": module.timer.means()[0],
+    }
+    del module, trainer  # free the copies and optimizer state before reading the best ones
+    gc.collect()
+    measure.trim()
+    best = best_state(phase_dir)
+    if live is not None:  # the trained tensors take the kept evaluation's values, or their own
+        if kept is not None and best is not None:
+            with torch.no_grad():
+                for i, t in enumerate(live):
+                    t.copy_(best[f"ffn.{i}"])
+            best = {f"ffn.{i}": t for i, t in enumerate(live)}
+        else:
+            restore_values(live, start_file)
+            best = None
+    out = outcome(evaluations, kept, best, start, layers, copy=live is None)
+    if live is not None:
+        start_file.unlink(missing_ok=True)
+    (log.info if out.info["improved"] else log.warning)("[B] %s", out.info["note"])
+    out.info = info | out.info
+    return out
+
+
+def outcome(
+    evaluations: list[dict],
+    kept: int | None,
+    best: dict | None,
+    start: Repaired,
+    layers,
+    copy: bool = True,
+) -> Repaired:
+    """The trained copies of the kept evaluation (best.ckpt) over the weights Phase B started
+    from, or those weights when no evaluation was kept. ``copy=False``: ``best`` holds the
+    trained tensors themselves (an in-place Phase B), taken as they are."""
+    if kept is not None and best is not None:
+        ppl = evaluations[kept]["held_ppl"]
+        params = [
+            best[f"ffn.{i}"].float().clone() if copy else best[f"ffn.{i}"]
+            for i in range(3 * len(layers))
+        ]
+        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
+        note = (
+            f"restored the best copies: held-PPL {ppl:.3f} at step "
+            f"{evaluations[kept]['step']} < {start.ppl:.3f} before Phase B"
+        )
+        ffn = {**(start.ffn or {}), **trained}
+        return Repaired(ffn, ppl, {"improved": True, "note": note})
+    if not evaluations:
+        why = "no evaluation was made"
+    else:
+        best_seen = min((e["held_ppl"] for e in evaluations), default=float("nan"))
+        why = f"best held-PPL {best_seen:.3f} is not below {start.ppl:.3f} before Phase B"
+    note = f"Phase B made no improvement ({why}); the weights before Phase B are used"
+    return Repaired(start.ffn, start.ppl, {"improved": False, "note": note})

@@ -1,0 +1,266 @@
+"""The composed config resolved once, before anything is loaded, into the typed settings each
+stage reads: plain numbers and rules, never the config itself (torchtune's ``setup()``).
+
+:func:`resolve` is the one place that reads the ``phase_a``, ``phase_b``, ``export`` and
+``trainer`` groups; the memory plan (:mod:`bake.memory.plan`) and the pipeline
+(:mod:`bake.run.pipeline`) both work from what it returns, so what is planned is what runs.
+It also holds the rules a bake applies everywhere: the device and precision of its
+evaluations, the threshold that binarises mask logits, and the shipping rule.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from bake.phases.structure import ShipRule
+from bake.run.record import resolved
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from bake.models.meta import ModelMeta
+
+
+@dataclass
+class PhaseASettings:
+    """Phase A as plain numbers (no OmegaConf inside a module or checkpoint).
+
+    ``ship``: the structure an evaluation scores when the shipped structure is fixed before
+    the repairs (the target met after alignment); None scores the raw binarised mask, as the
+    reference does. ``tau``: the threshold that binarises mask logits (:func:`tau`).
+    """
+
+    steps: int
+    l1_init: float
+    l1_step: float
+    l1_mult: float
+    lr: float
+    eval_every: int
+    tau: float
+    target_sparsity: float
+    straight_through: bool = False
+    open_gates: bool = False
+    eval_precision: str = "fp32"
+    eval_batch_size: int = 4
+    controller: bool = False
+    ramp: float = 0.5
+    ship: ShipRule | None = None
+    train_ffn: bool = False
+    ffn_lr: float = 1e-4
+    shared_loops: int = 1  # visits that share one mask (phase_a.shared_visits)
+    method: str = "learned"  # phase_a.method (bake.phases.phase_a registers each)
+    init: str = "constant"  # where a learned mask's logits start
+    init_logit: float = 2.0
+
+    @property
+    def trains(self) -> bool:
+        """Whether Phase A trains (a learned mask); else it is a training-free score."""
+        return trains(self.method)
+
+
+@dataclass
+class PhaseBSettings:
+    """Phase B's gradient repair as plain numbers."""
+
+    steps: int
+    lr: float
+    layers: int
+    eval_every: int
+    eval_precision: str = "fp32"
+    eval_batch_size: int = 4
+    all_layers: bool = False
+    distill: float = 0.0
+    baseline: float = float("inf")  # the held-out perplexity an evaluation must beat to be kept
+    optimizer: str = "adam"  # adam | adafactor | sgd
+    block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
+    # Train the weights it starts from in place (the backbone's, least squares'), not copies:
+    # the caller saves and restores them (bake.phases.phase_b.train); never with distillation,
+    # whose teacher is the backbone
+    in_place: bool = False
+    enabled: bool = True
+
+
+@dataclass(frozen=True)
+class LeastSquaresSettings:
+    """The closed-form repair of ``down_proj`` (``phase_b.least_squares``, ``phase_b.ls_*``)."""
+
+    enabled: bool
+    chunks: int
+    ridge: float
+    drift: float
+
+
+@dataclass(frozen=True)
+class ExportSettings:
+    """What ships and how it is written (the ``export`` group, ``tracking.plots``)."""
+
+    align: int
+    uniform: bool
+    align_before_repair: bool
+    vocab: str
+    vocab_min_count: int
+    gguf: str
+    plots: bool
+
+
+@dataclass(frozen=True)
+class Settings:
+    """Everything one bake reads from its config, resolved once."""
+
+    config: dict  # the composed config, resolved: report.json, config.yaml, the run's record
+    meta: ModelMeta  # the model's shape from its metadata (validation read it)
+    model: Any  # the model section: where its weights come from (bake.models.sources)
+    corpus: Any  # the corpus section: which documents, how they are split
+    tracking: Any  # the tracking section: the MLflow store
+    trainer: Any  # the trainer section: Lightning's devices and callbacks
+    seed: int
+    resume: bool
+    cache: Path  # paths.cache: what runs share
+    device: torch.device
+    precision: str  # of every held-out evaluation: fp32, or bf16 under autocast on CUDA
+    world: int  # processes of a DDP run
+    eval_batch: int
+    frozen_bf16: bool  # trainer.frozen_weights=bf16
+    checkpointing: bool  # trainer.activation_checkpointing
+    phase_a: PhaseASettings
+    least_squares: LeastSquaresSettings
+    phase_b: PhaseBSettings
+    export: ExportSettings
+    memory_limit_gib: float | None = None
+    plan_only: bool = False  # plan=true: the memory plan is printed and nothing runs
+
+    @property
+    def ship(self) -> ShipRule | None:
+        """The shipping rule, built once (:func:`ship_rule`)."""
+        return self.phase_a.ship
+
+    @property
+    def target(self) -> float:
+        return self.phase_a.target_sparsity
+
+    @property
+    def loops(self) -> int:
+        return self.meta.loops
+
+
+def trains(method: str) -> bool:
+    """Whether Phase A's ``method`` trains a mask (``learned``); the others score neurons."""
+    return method == "learned"
+
+
+def tau(a) -> float:
+    """The threshold that binarises mask logits: ``phase_a.tau`` for a learned mask; 0.5 for a
+    training-free baseline, whose logits are shaped so that sigma(m) > 0.5 is its own choice
+    (``phase_a.tau`` is not read there)."""
+    return float(a.tau) if trains(str(a.method)) else 0.5
+
+
+def ship_rule(a, e, loops: int = 1) -> ShipRule | None:
+    """How the structure that ships is read from mask logits, when it is fixed before the
+    repairs (``export.align_before_repair``); None: the reference (align after the repairs).
+    ``a``, ``e``: the phase_a and export sections; ``loops``: the visits that share one
+    structure (``phase_a.shared_visits``)."""
+    if not e.align_before_repair:
+        return None
+    ranked = trains(str(a.method)) and (a.controller == "schedule" or a.gate == "open")
+    return ShipRule(a.target_sparsity, e.align, e.uniform_inter, tau(a), ranked, loops)
+
+
+def resolve_device(accelerator: str) -> torch.device:
+    """The device this process runs the phases and evaluations on (Lightning's choice for
+    ``trainer.accelerator``; a DDP rank's own GPU)."""
+    kind = str(accelerator)
+    if kind in ("auto", "gpu"):
+        kind = "cuda" if torch.cuda.is_available() else "cpu"
+    if kind == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device(kind)
+
+
+def resolve_precision(device: torch.device, setting: str) -> str:
+    """The precision rule: bf16 (autocast) on CUDA unless fp32 is asked for; fp32 elsewhere."""
+    return "bf16" if device.type == "cuda" and setting in ("auto", "bf16") else "fp32"
+
+
+def resolve(cfg: DictConfig, meta: ModelMeta) -> Settings:
+    """The settings of one bake, from its composed (and validated) config and its model's
+    metadata."""
+    a, b, e, t = cfg.phase_a, cfg.phase_b, cfg.export, cfg.trainer
+    device = resolve_device(str(t.accelerator))
+    precision = resolve_precision(device, str(a.eval_precision))
+    shared = meta.loops if a.shared_visits else 1
+    phase_a = PhaseASettings(
+        steps=int(a.steps),
+        l1_init=float(a.l1_init),
+        l1_step=float(a.l1_step),
+        l1_mult=float(a.l1_mult),
+        lr=float(a.lr),
+        eval_every=int(a.eval_every),
+        tau=tau(a),
+        target_sparsity=float(a.target_sparsity),
+        straight_through=a.gate == "straight_through",
+        open_gates=a.gate == "open",
+        eval_precision=precision,
+        eval_batch_size=int(t.eval_batch_size),
+        controller=a.controller == "schedule",
+        ramp=float(a.ramp),
+        ship=ship_rule(a, e, shared),
+        train_ffn=bool(a.train_ffn),
+        ffn_lr=float(a.ffn_lr),
+        shared_loops=shared,
+        method=str(a.method),
+        init=str(a.init),
+        init_logit=float(a.init_logit),
+    )
+    phase_b = PhaseBSettings(
+        steps=int(b.steps),
+        lr=float(b.lr),
+        layers=int(b.layers),
+        eval_every=int(b.eval_every),
+        eval_precision=precision,
+        eval_batch_size=int(t.eval_batch_size),
+        all_layers=bool(b.all_layers),
+        distill=float(b.distill),
+        optimizer=str(b.optimizer),
+        block_layers=int(b.block_layers),
+        in_place=b.distill == 0,
+        enabled=bool(b.enabled),
+    )
+    return Settings(
+        config=resolved(cfg),
+        meta=meta,
+        model=cfg.model,
+        corpus=cfg.corpus,
+        tracking=cfg.tracking,
+        trainer=t,
+        seed=int(cfg.seed),
+        resume=bool(cfg.resume),
+        cache=Path(cfg.paths.cache),
+        device=device,
+        precision=precision,
+        world=int(t.devices) * int(t.num_nodes),
+        eval_batch=int(t.eval_batch_size),
+        frozen_bf16=str(t.frozen_weights) == "bf16",
+        checkpointing=bool(t.activation_checkpointing),
+        phase_a=phase_a,
+        least_squares=LeastSquaresSettings(
+            bool(b.least_squares), int(b.ls_chunks), float(b.ls_ridge), float(b.ls_drift)
+        ),
+        phase_b=phase_b,
+        export=ExportSettings(
+            align=int(e.align),
+            uniform=bool(e.uniform_inter),
+            align_before_repair=bool(e.align_before_repair),
+            vocab=str(e.vocab),
+            vocab_min_count=int(e.vocab_min_count),
+            gguf=str(e.gguf),
+            plots=bool(cfg.tracking.plots),
+        ),
+        memory_limit_gib=None if t.memory_limit_gib is None else float(t.memory_limit_gib),
+        plan_only=bool(cfg.plan),
+    )

@@ -1,0 +1,188 @@
+"""The run directory is the user's until bake owns it: checked before Hydra writes anything.
+
+Hydra creates the run directory and writes ``.hydra/`` and the log file into it before the
+task starts, so the checks live in a Hydra callback that runs first (``on_run_start`` /
+``on_multirun_start``): a new bake goes only into a directory that does not exist or is empty;
+a resume only into a bake's own directory, with compatible settings and no other process
+writing it. A refusal is one line and exit code 1, and nothing was written.
+
+The lock is ``<run dir>/.bake.lock``, an flock held by the process that writes the run (DDP
+ranks other than zero, which Lightning relaunches into the same directory, neither check nor
+lock); the kernel drops it when that process ends, so a killed bake never leaves a stale lock.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import shutil
+import sys
+from pathlib import Path
+
+from hydra.experimental.callback import Callback
+
+from bake.errors import BakeError
+from bake.run.ranks import rank_zero
+from bake.run.record import LOCK
+
+_HELD: dict[str, int] = {}  # run dir -> open lock file descriptor of this process
+
+
+def refuse(message: str, code: int = 1):
+    print(f"bake: {message}", file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+def check_new_dir(run_dir: Path, what: str = "hydra.run.dir") -> None:
+    """A new bake writes only into a directory that does not exist or is empty."""
+    from bake.run.record import RECORD
+
+    if not run_dir.exists():
+        _check_writable(run_dir)
+        return
+    if not run_dir.is_dir():
+        raise BakeError(f"{what}={run_dir}: exists and is not a directory; pick another")
+    entries = sorted(p.name for p in run_dir.iterdir())
+    if RECORD in entries:
+        raise BakeError(
+            f"{run_dir} already holds a bake; continue it with resume={run_dir}, or pick "
+            f"another {what}"
+        )
+    if entries:
+        shown = ", ".join(entries[:5]) + (" ..." if len(entries) > 5 else "")
+        raise BakeError(
+            f"{what}={run_dir}: the directory holds files that are not a bake's ({shown}); "
+            f"bake writes only into a new or empty directory: pick another {what}"
+        )
+    _check_writable(run_dir)
+
+
+def _check_writable(path: Path) -> None:
+    """The nearest existing ancestor of ``path`` must let bake create it."""
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise BakeError(
+            f"{probe}: not writable, so the run directory {path} cannot be made there; fix the "
+            f"permissions or point paths.outputs (or hydra.run.dir) at a writable place"
+        )
+
+
+def check_resume(cfg, run_dir: Path) -> None:
+    """``resume`` continues its own directory, with settings a resume may carry."""
+    from omegaconf import OmegaConf
+
+    from bake.run.cache import digest
+    from bake.run.record import RECORD, comparable, read_record, resolved, resume_changes
+
+    resume = Path(str(cfg.resume)).expanduser()
+    cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])
+    if run_dir.resolve() != resume.resolve():
+        raise BakeError(
+            f"resume={cfg.resume} continues in its own directory, but hydra.run.dir={run_dir} "
+            f"points elsewhere; pass the run directory only as resume="
+        )
+    record = read_record(resume / RECORD)
+    mine = comparable(resolved(cfg))
+    if record.config_hash != digest(mine):
+        resume_changes(mine, record, str(cfg.resume))
+
+
+def acquire(run_dir: Path) -> None:
+    """Take the run directory's lock for this process; BakeError when another holds it."""
+    if not rank_zero() or str(run_dir) in _HELD:
+        return
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / LOCK
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        holder = Path(path).read_text().strip() or "another process"
+        os.close(fd)
+        raise BakeError(
+            f"{run_dir} is being written by {holder}, which is still running; wait for it to "
+            f"end (or stop it) before resuming"
+        ) from None
+    os.ftruncate(fd, 0)
+    os.write(fd, json.dumps({"pid": os.getpid(), "host": os.uname().nodename}).encode())
+    _HELD[str(run_dir)] = fd
+
+
+def release(run_dir: Path) -> None:
+    fd = _HELD.pop(str(run_dir), None)
+    if fd is not None:
+        os.close(fd)
+
+
+def remove_stale_staging(run_dir: Path) -> None:
+    """A bake killed during its export leaves ``.staging.*`` (bake's own, never the user's)."""
+    for stale in run_dir.glob(".staging.*"):
+        if stale.is_dir():
+            shutil.rmtree(stale, ignore_errors=True)
+
+
+FAILURES = "failed_jobs.jsonl"
+
+
+def record_failure(sweep_dir: Path, job: int, overrides: str, reason: str) -> None:
+    """Append a failed job to its sweep's record (one line each, from any process)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"job": job, "overrides": overrides, "reason": reason[:500]})
+    with open(sweep_dir / FAILURES, "a") as fh:
+        fh.write(line + "\n")
+
+
+def failures(sweep_dir: Path) -> list[dict]:
+    path = sweep_dir / FAILURES
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+class RunDirGuard(Callback):
+    """Hydra callback: refuse before Hydra writes into a directory bake does not own."""
+
+    def on_run_start(self, config, **kwargs) -> None:
+        if not rank_zero():
+            return
+        run_dir = Path(str(config.hydra.run.dir)).expanduser()
+        try:
+            if config.resume:
+                check_resume(config, run_dir)
+                acquire(run_dir)
+                remove_stale_staging(run_dir)
+            else:
+                check_new_dir(run_dir)
+                acquire(run_dir)
+        except BakeError as exc:
+            refuse(str(exc))
+        except Exception as exc:  # Hydra would turn it into a warning and run unguarded
+            refuse(f"checking the run directory {run_dir} failed ({type(exc).__name__}: {exc})")
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        t = config.trainer
+        if str(t.strategy) == "ddp" or t.devices * t.num_nodes > 1:
+            refuse(
+                f"trainer.strategy={t.strategy} (devices={t.devices}): not inside a sweep (-m), "
+                f"where Lightning would relaunch the whole sweep on every rank; run the jobs one "
+                f"by one, or sweep with a cluster launcher and one device each",
+                code=2,
+            )
+        sweep_dir = Path(str(config.hydra.sweep.dir)).expanduser()
+        self._sweep_dir = sweep_dir
+        try:
+            check_new_dir(sweep_dir, "hydra.sweep.dir")
+        except BakeError as exc:
+            refuse(str(exc))
+        except Exception as exc:  # Hydra would turn it into a warning and run unguarded
+            refuse(f"checking hydra.sweep.dir={sweep_dir} failed ({type(exc).__name__}: {exc})")
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        """A sweep with failed jobs exits 1, naming them (the others' results stay)."""
+        failed = failures(getattr(self, "_sweep_dir", Path(str(config.hydra.sweep.dir))))
+        if failed:
+            names = "; ".join(f"job {f['job']} ({f['overrides']}): {f['reason']}" for f in failed)
+            refuse(f"{len(failed)} sweep job(s) failed: {names}"[:2000])

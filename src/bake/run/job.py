@@ -1,0 +1,144 @@
+"""One Hydra job: validate, bake, and turn every failure into an exit code or, inside a sweep,
+into a FAILED child run and a NaN result, so the other jobs go on.
+
+Exit codes: 0 done; 1 a runtime failure (one line for known causes, a traceback under
+HYDRA_FULL_ERROR=1 for the rest); 2 an invalid configuration; 130 interrupted.
+"""
+
+from __future__ import annotations
+
+import errno
+import logging
+import math
+import sys
+import traceback
+from pathlib import Path
+
+from bake.config.validate import validate
+from bake.errors import BakeError, ConfigError
+from bake.run.record import LOCK
+
+log = logging.getLogger("bake")
+# A full disk, a quota, a read-only or forbidden place: one line, not a traceback.
+_DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM}
+
+
+def _hydra_context():
+    from hydra.core.hydra_config import HydraConfig
+    from hydra.types import RunMode
+
+    hc = HydraConfig.get()
+    return hc, hc.mode == RunMode.MULTIRUN
+
+
+def _discard_unused(run_dir: Path) -> None:
+    """Remove the directory Hydra made for a run that never started (only Hydra's files)."""
+    import shutil
+
+    if not run_dir.is_dir() or (run_dir / "bake_run.json").exists():
+        return
+    if all(p.name in (".hydra", LOCK) or p.suffix == ".log" for p in run_dir.iterdir()):
+        for handler in list(logging.getLogger().handlers):
+            if str(getattr(handler, "baseFilename", "")).startswith(str(run_dir)):
+                logging.getLogger().removeHandler(handler)
+                handler.close()
+        shutil.rmtree(run_dir, ignore_errors=True)
+        for parent in (run_dir.parent, run_dir.parent.parent):
+            try:
+                parent.rmdir()  # only when empty
+            except OSError:
+                break
+
+
+def run_job(cfg) -> float:
+    """Run one bake under Hydra; returns the exported held-out perplexity (NaN on failure)."""
+    from bake.run import guard
+
+    hc, multirun = _hydra_context()
+    run_dir = Path(hc.runtime.output_dir)
+    try:
+        return _run(cfg, hc, multirun, run_dir)
+    finally:
+        guard.release(run_dir)
+
+
+def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
+    try:
+        meta = validate(cfg, multirun=multirun)
+        from bake.memory import budget
+        from bake.phases.settings import resolve
+
+        settings = resolve(cfg, meta)  # the config, read once: every stage gets these
+        plan = budget.check(settings)  # before any weight is read: refuses what cannot fit
+    except ConfigError as exc:
+        print(exc, file=sys.stderr)
+        if not cfg.resume:
+            _discard_unused(run_dir)
+        if multirun:
+            from bake.tracking.sweep import record_failed_job
+
+            record_failed_job(cfg, hc, str(exc))
+            return _failed(hc, str(exc))
+        sys.exit(2)
+    if cfg.plan:  # only the plan was asked for: print it, leave nothing behind
+        print(budget.table(plan) if plan else "memory plan: not available for this model")
+        if not cfg.resume:
+            _discard_unused(run_dir)
+        if multirun:
+            return math.nan
+        sys.exit(0)
+
+    from bake.tracking import console
+
+    try:
+        console.allow_interrupts()  # a Ctrl-C pressed during the imports is raised here
+    except KeyboardInterrupt:
+        if not cfg.resume:
+            _discard_unused(run_dir)  # nothing started: nothing to resume
+        print("bake: interrupted", file=sys.stderr)
+        if multirun:
+            raise
+        sys.exit(130)
+    try:
+        from bake.config.unused import ignored
+        from bake.run.pipeline import bake
+
+        console.setup()  # log lines around the progress bars; no library bars or chatter
+        overrides = list(getattr(getattr(hc, "overrides", None), "task", None) or [])
+        return bake(settings, run_dir, hc, plan, ignored(cfg, overrides, meta))
+    except BakeError as exc:
+        print(f"bake: {exc}", file=sys.stderr)
+        log.error("%s", exc)
+        if multirun:
+            return _failed(hc, str(exc))
+        sys.exit(1)
+    except KeyboardInterrupt:
+        print(f"bake: interrupted; continue with: resume={run_dir}", file=sys.stderr)
+        if multirun:
+            raise  # Ctrl-C ends the whole sweep, as everywhere else
+        sys.exit(130)
+    except OSError as exc:
+        if exc.errno not in _DISK_ERRORS:
+            raise
+        where = f" {exc.filename}" if exc.filename else ""
+        print(
+            f"bake: writing{where} failed ({exc.strerror or exc}); free space or fix the "
+            f"permissions, then continue with resume={run_dir}",
+            file=sys.stderr,
+        )
+        if multirun:
+            return _failed(hc, str(exc))
+        sys.exit(1)
+    except Exception as exc:
+        if multirun:
+            log.error("job failed:\n%s", traceback.format_exc())
+            return _failed(hc, f"{type(exc).__name__}: {exc}")
+        raise
+
+
+def _failed(hc, reason: str) -> float:
+    """A sweep job's failure, recorded for the sweep's exit code; NaN to the sweeper."""
+    from bake.run import guard
+
+    guard.record_failure(Path(hc.sweep.dir), int(hc.job.num), " ".join(hc.overrides.task), reason)
+    return math.nan

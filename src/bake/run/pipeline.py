@@ -1,0 +1,261 @@
+"""One bake, top to bottom: load, measure the backbone, Phase A, the structure that ships, the
+repairs, export, report.
+
+The pipeline works from the settings resolved once (:func:`bake.phases.settings.resolve`);
+every stage receives the run context (:class:`bake.phases.context.RunContext`), never the
+config. Everything a run writes goes under its run directory; what runs share (converted
+models, tokenised corpora, activation statistics, Phase A results) lives under ``paths.cache``.
+"""
+
+from __future__ import annotations
+
+import gc
+import logging
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bake.memory import measure
+from bake.phases import structure
+from bake.phases.context import Outcome, RunContext
+from bake.run.ranks import rank_zero
+from bake.run.record import open_record
+from bake.tracking.tracker import Tracker
+
+if TYPE_CHECKING:
+    from bake.config.unused import Unused
+    from bake.export.vocab import Trim
+    from bake.memory.plan import Plan
+    from bake.phases.settings import Settings
+
+log = logging.getLogger("bake")
+
+
+def bake(
+    settings: Settings,
+    run_dir: Path,
+    hc,
+    plan: Plan | None = None,
+    ignored: Sequence[Unused] = (),
+) -> float:
+    """Run one bake; returns the exported model's held-out perplexity. ``plan``: its memory
+    plan, logged and reported beside the measured peaks; ``ignored``: the command line's keys
+    nothing reads (:func:`bake.config.unused.ignored`), one warning line each."""
+    from bake.tracking.sweep import open_tracker
+
+    rank0 = rank_zero()
+    record = open_record(run_dir, settings.config, write=rank0)
+    track = rank0 and settings.tracking.enabled
+    tracker = open_tracker(settings, record, hc) if track else Tracker()
+    if rank0:
+        record.update(mlflow_run_id=tracker.run_id)
+        log.info("run directory: %s", run_dir)
+        if plan is not None:
+            log.info("%s", plan.line())
+        for u in ignored:
+            log.warning("%s", u.line())
+    ctx = RunContext(settings, Path(run_dir), record, tracker)
+    ctx.plan = plan.as_dict() if plan is not None else None
+    ctx.ignored = [u.as_dict() for u in ignored]
+    status = "FAILED"
+    try:
+        value = _stages(ctx)
+        status = "FINISHED"
+        return value
+    except KeyboardInterrupt:
+        status = "KILLED"
+        raise
+    except BaseException as exc:
+        _quietly(tracker.tags, {"bake.error": f"{type(exc).__name__}: {exc}"[:5000]})
+        raise
+    finally:  # the record first: on a full disk it is what tells the run failed
+        if rank0:
+            _quietly(record.update, status=status)
+        _quietly(tracker.end, status)
+
+
+def _quietly(fn, *args, **kwargs) -> None:
+    """Bookkeeping at the end of a failed bake must not hide the failure itself."""
+    try:
+        fn(*args, **kwargs)
+    except Exception as exc:
+        log.warning("could not record the run's end (%s: %s)", type(exc).__name__, exc)
+
+
+def _timed(ctx: RunContext, name: str, fn, *args):
+    t0 = time.perf_counter()
+    out = fn(*args)
+    ctx.seconds[name] = time.perf_counter() - t0
+    gc.collect()  # a phase's module and trainer hold reference cycles
+    measure.trim()
+    if ctx.memory.loaded is not None:
+        ctx.memory.stage_done(name)
+    return out
+
+
+def _log_evaluation(tracker: Tracker, prefix: str, ev: dict, offset: int = 0) -> None:
+    """An evaluation's metrics at global step ``offset + step``: Phase B's steps follow Phase
+    A's training steps, so both phases share one step axis in MLflow."""
+    skip = {"step", "closed_names", "score"}
+    values = {f"{prefix}/{k}": v for k, v in ev.items() if k not in skip}
+    tracker.metrics(values, offset + ev["step"])
+
+
+def _load(ctx: RunContext) -> None:
+    from bake.corpus.splits import load_corpus
+    from bake.models.loader import load_model
+    from bake.phases.phase_a import stage
+
+    s = ctx.settings
+    ctx.model = _timed(ctx, "load", load_model, s.model, ctx.cache)
+    tokenizer = ctx.model.tokenizer
+    ctx.corpus = _timed(
+        ctx, "corpus", load_corpus, s.corpus, tokenizer, ctx.model.tokenizer_key, s.seed, ctx.cache
+    )
+    if s.frozen_bf16:
+        from bake.models.frozen import store_bf16
+        from bake.models.loader import forget
+
+        forget(ctx.model)  # its weights change: a later bake of this process loads them anew
+        store_bf16(ctx.model.lm)
+        measure.trim()
+    ctx.model.lm.to(ctx.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
+    stack, corpus = ctx.model.stack, ctx.corpus
+    stack.checkpoint = s.checkpointing
+    ctx.keys = stage.keys(ctx)
+    log.info(
+        "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration, "
+        "%d test chunks of %d tokens; evaluations on %s in %s",
+        ctx.model.key,
+        stack.num_layers,
+        stack.loops,
+        stack.inter,
+        corpus.held.shape[0],
+        corpus.calib.shape[0],
+        corpus.test.shape[0],
+        s.corpus.chunk_len,
+        ctx.device,
+        ctx.precision,
+    )
+
+
+def _stages(ctx: RunContext) -> float:
+    import lightning as L
+
+    from bake.phases.phase_a import stage as phase_a
+    from bake.phases.phase_b import least_squares, train
+    from bake.phases.phase_b.repaired import Repaired
+
+    s, t_start = ctx.settings, time.perf_counter()
+    L.seed_everything(s.seed, workers=True, verbose=False)
+    _load(ctx)
+    ctx.memory.start()  # peaks below are measured against the loaded model and corpus
+    backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
+    backbone_test = ctx.held_ppl(chunks=ctx.corpus.test) if ctx.corpus.test.numel() else None
+    _backbone_bits(ctx)
+    log.info(
+        "baseline (full): held-out %.3f (%.4f bits/byte)", backbone, ctx.bpb.get("held", math.nan)
+    )
+    ctx.tracker.metrics({"final/backbone_ppl": backbone, "final/backbone_test_ppl": backbone_test})
+    a = s.phase_a
+    a_steps = a.steps if a.trains else 0  # Phase B's steps follow Phase A's on one axis
+
+    def on_a(ev: dict) -> None:
+        _log_evaluation(ctx.tracker, "phase_a", ev)
+
+    def on_b(ev: dict) -> None:
+        _log_evaluation(ctx.tracker, "phase_b", ev, a_steps)
+
+    t0 = time.perf_counter()
+    result, selection = phase_a.run(ctx, on_a)
+    ctx.mark_done("phase_a")
+    keep = structure.repaired(selection.logits, s.ship, a.tau, ctx.model.stack.num_layers)
+    ev = selection.evaluation
+    if s.ship is not None and ev is not None and not selection.fell_back:
+        masked = ev["held_ppl"]  # that evaluation scored this very structure (and weights)
+    else:
+        masked = ctx.held_ppl(keep.visits, result.ffn)
+    ctx.seconds["phase_a"] = time.perf_counter() - t0
+    ctx.memory.stage_done("phase_a")
+    _log_structure(ctx, keep, masked, result.cached)
+    start = Repaired(result.ffn, masked)  # Phase A's trained FFN, if it trained any
+    ls = _timed(ctx, "least_squares", least_squares.run, ctx, keep, start)
+    final = _timed(ctx, "phase_b", train.run, ctx, keep, ls, on_b)
+    ctx.mark_done("phase_b")
+    if s.export.vocab == "task":
+        ctx.trim = _timed(ctx, "vocab", _vocab, ctx)
+    out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)
+    return _finish(ctx, out)
+
+
+def _finish(ctx: RunContext, out: Outcome) -> float:
+    """Export, report, summary; returns the exported held-out perplexity."""
+    from bake.export import stage as export
+    from bake.run import report
+
+    if not rank_zero():
+        return out.overlaid  # other DDP ranks: the artifact is rank zero's
+    done = export.run(ctx, out, lambda exported: report.build(ctx, out, exported))
+    report.track(ctx, done)
+    report.print_summary(done, ctx.settings.tracking)
+    return done["perplexity"]["exported"]
+
+
+def _backbone_bits(ctx: RunContext) -> None:
+    """The chunks' text per split, and the backbone's bits per byte on it
+    (:mod:`bake.models.bpb`)."""
+    from bake.corpus.splits import bos_prefix
+    from bake.export.artifact import scored_texts
+    from bake.models import bpb
+
+    tok, stack = ctx.model.tokenizer, ctx.model.stack
+    prefix = bool(bos_prefix(tok))
+    for split, chunks in (("held", ctx.corpus.held), ("test", ctx.corpus.test)):
+        ctx.texts[split] = bpb.texts_of(chunks, tok, prefix)
+        if chunks.numel():
+            data = scored_texts(tok, ctx.texts[split], stack.lm.config)
+            ctx.bpb[split] = bpb.bits_per_byte(bpb.stack_nll(stack, data), data)
+
+
+def _vocab(ctx: RunContext) -> Trim:
+    """The task-trimmed vocabulary: tokens counted over every calibration document."""
+    from bake.corpus.splits import calibration_texts
+    from bake.export import vocab
+
+    e, tok = ctx.settings.export, ctx.model.tokenizer
+    counts = vocab.count_tokens(tok, calibration_texts(ctx.settings.corpus, ctx.corpus))
+    trim = vocab.plan(tok, counts, e.vocab_min_count)
+    log.info(
+        "[V] vocabulary: %d of %d tokens kept (%d used >= %d times in the calibration "
+        "documents, %d merge parts; bytes, specials and added tokens)",
+        len(trim.kept),
+        trim.vocab_size,
+        trim.used,
+        e.vocab_min_count,
+        trim.closure,
+    )
+    return trim
+
+
+def _log_structure(ctx: RunContext, keep: structure.Keep, masked: float, cached: bool) -> None:
+    a = ctx.settings.phase_a
+    if keep.dropped:
+        log.info(
+            "[A] target %.1f%%: %d more neurons dropped (lowest %s), %d revived by alignment",
+            100 * a.target_sparsity,
+            keep.dropped,
+            "logits" if a.trains else "scores",
+            keep.revived,
+        )
+    where = "the cached result" if cached else "the selected evaluation"
+    log.info(
+        "[A] structure from %s: %.2f%% pruned, masked held-PPL %.3f",
+        where,
+        100 * keep.pruned_ratio,
+        masked,
+    )
+    ctx.tracker.metrics(
+        {"final/masked_ppl": masked, "phase_a/selected_sparsity": keep.pruned_ratio}
+    )

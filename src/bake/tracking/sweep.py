@@ -1,0 +1,234 @@
+"""Runs a person can find: one MLflow run per bake, named by what sets it apart, and one parent
+run per sweep that carries the sweep's settings, its best child's metrics, the summary table
+(as the run's description and as a table artifact) and the plot.
+"""
+
+from __future__ import annotations
+
+import atexit
+import json
+import logging
+import math
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from hydra.experimental.callback import Callback
+
+from bake.tracking.runnames import model_label, run_name, split, sweep_spec, swept_overrides
+from bake.tracking.tracker import Tracker, client_for, experiment_id, reopen_run, start_run
+
+if TYPE_CHECKING:
+    from mlflow import MlflowClient
+
+    from bake.phases.settings import Settings
+
+log = logging.getLogger("bake.sweep")
+
+PARENT_FILE = "mlflow_parent.json"
+# The best child's metrics, copied onto the parent so its row in the runs table is filled.
+BEST_METRICS = (
+    "final/exported_ppl",
+    "final/overlaid_ppl",
+    "final/masked_ppl",
+    "final/backbone_ppl",
+    "final/pruned_ratio",
+    "final/phase_a_sparsity",
+    "final/params_before",
+    "final/params_after",
+)
+
+
+def _multirun(hc) -> bool:
+    from hydra.types import RunMode
+
+    return hc.mode == RunMode.MULTIRUN
+
+
+def _parent_id(hc) -> str | None:
+    if not _multirun(hc):
+        return None
+    path = Path(hc.sweep.dir) / PARENT_FILE
+    return json.loads(path.read_text())["run_id"] if path.is_file() else None
+
+
+def job_name(cfg, hc) -> tuple[str, str]:
+    """(this job's run name, its swept overrides): the swept keys lead inside a sweep. ``cfg``:
+    the composed config or a bake's settings (its ``model.name``)."""
+    overrides = list(hc.overrides.task)
+    swept = sweep_spec(str(Path(hc.sweep.dir)))[1] if _multirun(hc) else ()
+    return run_name(model_label(cfg), overrides, swept), " ".join(split(overrides, swept)[0])
+
+
+def open_tracker(settings: Settings, record, hc) -> Tracker:
+    """The MLflow run of this bake: reopened on resume, else new (a child inside a sweep)."""
+    if settings.resume and record.mlflow_run_id:
+        return reopen_run(settings.tracking, record.mlflow_run_id, record.resumed)
+    from bake.run.record import params_of
+
+    name, swept = job_name(settings, hc)
+    overrides = list(hc.overrides.task)
+    tags = {
+        "bake.model": settings.model.name,
+        "bake.corpus": settings.corpus.name,
+        "bake.run_dir": record.run_dir,
+        "bake.overrides": " ".join(overrides) or "(defaults)",
+    }
+    if swept:
+        tags["bake.swept"] = swept
+    return start_run(settings.tracking, name, tags, params_of(settings.config), _parent_id(hc))
+
+
+def record_failed_job(cfg, hc, error: str) -> None:
+    """A child run marked FAILED for a sweep job that never started (a config error)."""
+    if not cfg.tracking.enabled:
+        return
+    try:
+        name, swept = job_name(cfg, hc)
+        tags = {"bake.error": error[:5000], "bake.swept": swept}
+        tracker = start_run(cfg.tracking, name, tags, {}, _parent_id(hc))
+        tracker.end("FAILED")
+    except Exception as exc:  # the sweep goes on regardless
+        log.warning("could not record the failed job in MLflow: %s", exc)
+
+
+def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object]:
+    """The sweep's settings as MLflow params: every resolved config value, the swept keys
+    holding what the sweep gives them (``0.1,0.2,0.3``)."""
+    from omegaconf import OmegaConf
+
+    from bake.run.record import params_of, resolved
+    from bake.tracking.runnames import override_key
+
+    job_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
+    try:
+        params = params_of(resolved(job_cfg))
+    except Exception as exc:  # an interpolation only a job can resolve: the overrides still go
+        log.warning("sweep: the parent run gets only the overrides as params (%s)", exc)
+        params = {}
+    for line in lines:
+        value = line.partition("=")[2]
+        if override_key(line) in swept or override_key(line) not in params:
+            params[override_key(line)] = value
+    params["sweep.swept"] = " ".join(swept) or "(none)"
+    return params
+
+
+class SweepCallback(Callback):
+    """Hydra callback: a parent MLflow run per multirun, and its summary at the end."""
+
+    def __init__(self) -> None:
+        self._parent: str | None = None
+        self._client: MlflowClient | None = None
+        self._sweep_dir: Path | None = None
+        self._swept: list[str] = []
+
+    def on_multirun_start(self, config, **kwargs) -> None:
+        from bake.tracking.console import quiet_libraries
+
+        quiet_libraries()  # before MLflow creates its database and says so
+        if not config.tracking.enabled:
+            return
+        from omegaconf import OmegaConf
+
+        tcfg = OmegaConf.create(OmegaConf.to_container(config.tracking, resolve=True))
+        self._sweep_dir = Path(config.hydra.sweep.dir)
+        self._client = client = client_for(tcfg)
+        lines, self._swept = swept_overrides(config.hydra)
+        name = run_name(model_label(config), lines, self._swept, prefix="sweep")
+        run = client.create_run(
+            experiment_id(client, tcfg),
+            run_name=name,
+            tags={
+                "mlflow.runName": name,
+                "bake.sweep_dir": str(self._sweep_dir),
+                "bake.sweep": " ".join(lines) or "defaults",
+                "bake.swept": " ".join(self._swept),
+            },
+        )
+        self._parent = run.info.run_id
+        Tracker(client, self._parent).params(sweep_params(config, lines, self._swept))
+        self._sweep_dir.mkdir(parents=True, exist_ok=True)
+        (self._sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": self._parent}))
+        atexit.register(self._finish, "KILLED")  # the summary even when the sweep is cut short
+
+    def on_multirun_end(self, config, **kwargs) -> None:
+        self._finish("FINISHED")
+
+    def _finish(self, status: str) -> None:
+        if self._parent is None:
+            return
+        assert self._client is not None and self._sweep_dir is not None  # set with the parent
+        parent, self._parent = self._parent, None
+        try:
+            summarise(self._client, parent, self._sweep_dir, self._swept)
+        finally:
+            self._client.set_terminated(parent, status)
+
+
+def best_row(rows: list[dict]) -> dict | None:
+    """The FINISHED child with the lowest exported held-out perplexity (the first on a tie)."""
+    done = [r for r in rows if r["status"] == "FINISHED" and math.isfinite(r["exported_ppl"])]
+    return min(done, key=lambda r: r["exported_ppl"]) if done else None
+
+
+def summarise(client, parent: str, sweep_dir: Path, swept: list[str]) -> list[dict]:
+    """Print the sweep's table and put it, the best child's metrics and the plot on the parent."""
+    from bake.tracking.compare import child_runs, format_table, row_from_run
+
+    runs = child_runs(client, parent)
+    rows = [row_from_run(r) for r in runs]
+    table = format_table(rows)
+    print(f"\nsweep summary ({len(rows)} jobs):\n{table}")
+    print(f"compare again: python -m bake.compare {sweep_dir} --sort exported\n", flush=True)
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    (sweep_dir / "summary.txt").write_text(table + "\n")
+    (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))
+    tracker = Tracker(client, parent)
+    best = best_row(rows)
+    if best is not None:
+        metrics = next(r for r in runs if r.info.run_id == best["run_id"]).data.metrics
+        tracker.metrics({k: metrics[k] for k in BEST_METRICS if k in metrics})
+        tracker.tags({"bake.best_run": best["run"], "bake.best_run_id": best["run_id"]})
+    failed = sum(r["status"] == "FAILED" for r in rows)
+    tracker.metrics({"sweep/jobs": len(rows), "sweep/failed": failed})
+    tracker.note(description(rows, best, swept, sweep_dir))
+    _log_table(tracker, rows)
+    paths = [sweep_dir / "summary.txt", sweep_dir / "summary.json"]
+    try:
+        from bake.tracking.plots import sweep_plot
+
+        paths.append(sweep_plot(rows, swept, sweep_dir / "sweep_ppl_vs_sparsity.png"))
+    except Exception as exc:  # the table matters more than the picture
+        log.warning("sweep: the plot could not be drawn (%s)", exc)
+    for path in paths:
+        tracker.artifact(path)
+    return rows
+
+
+def _log_table(tracker: Tracker, rows: list[dict]) -> None:
+    from bake.tracking.compare import table_columns
+
+    try:
+        tracker.table(table_columns(rows), "sweep_table.json")
+    except Exception as exc:  # summary.txt and the description carry the same table
+        log.warning("sweep: the table artifact could not be logged (%s)", exc)
+
+
+def description(rows: list[dict], best: dict | None, swept: list[str], sweep_dir: Path) -> str:
+    """The parent run's description (markdown): what was swept, the best run, the table."""
+    from bake.tracking.compare import markdown_table
+
+    keys = ", ".join(f"`{k}`" for k in swept) or "nothing"
+    failed = sum(r["status"] == "FAILED" for r in rows)
+    lines = [f"**Sweep over {keys}**: {len(rows)} jobs, {failed} failed."]
+    if best is not None:
+        lines.append(
+            f"**Best** (lowest exported held-out perplexity among finished jobs): "
+            f"`{best['run']}`, exported {best['exported_ppl']:.3f} at "
+            f"{100 * best['pruned']:.2f}% pruned after alignment; the metrics of this run are "
+            f"the best run's."
+        )
+    else:
+        lines.append("No job finished: this run has no best metrics.")
+    lines += ["", markdown_table(rows), "", f"Compare: `python -m bake.compare {sweep_dir}`"]
+    return "\n".join(lines)
