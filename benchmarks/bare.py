@@ -27,12 +27,9 @@ from bake.export import model as export  # noqa: E402
 from bake.memory.measure import PeakTracker  # noqa: E402
 from bake.models.loader import load_model  # noqa: E402
 from bake.models.stack import held_nll, perplexity  # noqa: E402
-from bake.phases import (
-    masks,  # noqa: E402
-    structure,
-)
+from bake.phases import masks, structure  # noqa: E402
 from bake.phases.phase_a import scores  # noqa: E402
-from bake.phases.phase_b import least_squares as repair  # noqa: E402
+from bake.phases.phase_b.least_squares import least_squares  # noqa: E402
 from benchmarks.common import compose  # noqa: E402
 
 
@@ -134,7 +131,7 @@ def main(argv: list[str] | None = None) -> dict:
     keep = structure.compute_keep(visits, visits, stack.num_layers)
     gates = visits.float()
     masked = held(stack, corpus.held, gates)
-    ffn = repair.least_squares(stack, corpus.calib[: b.ls_chunks], visits, keep.physical)
+    ffn = least_squares(stack, corpus.calib[: b.ls_chunks], visits, keep.physical)
     repaired = held(stack, corpus.held, gates, ffn)
     base, start = (ffn, repaired) if repaired < masked else (None, masked)
     marks["least_squares"] = time.perf_counter() - T0

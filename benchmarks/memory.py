@@ -120,9 +120,10 @@ def plan_of(run: Path) -> dict:
 
     from bake.memory.budget import make
     from bake.models.sources import read_meta
+    from bake.phases.settings import resolve
 
     cfg = OmegaConf.load(run / "config.yaml")
-    return make(cfg, read_meta(cfg.model, cfg.paths.cache)).as_dict()
+    return make(resolve(cfg, read_meta(cfg.model, cfg.paths.cache))).as_dict()
 
 
 def compare(run: Path) -> dict:
@@ -175,10 +176,11 @@ def readme() -> str:
     from bake.memory.plan import GIB, Knobs, gib, host_bytes, stage_bytes
     from bake.models.meta import ModelMeta
     from bake.models.shape import from_config
+    from bake.phases.settings import resolve
     from benchmarks.common import compose
 
-    cfg = compose(["model=nanbeige"])
     meta = ModelMeta(22, 8192, 8192, 2, True, "nanbeige", "Nanbeige4.2-3B (assumed config)")
+    settings = resolve(compose(["model=nanbeige"]), meta)
     shape = from_config(NANBEIGE_3B, meta, "own")
     stored, shard = 2 * shape.params, 5 * 10**9
     shards = (shard,) * (stored // shard) + ((stored % shard,) if stored % shard else ())
@@ -193,7 +195,7 @@ def readme() -> str:
         "| --- | --- | --- | --- |",
     ]
     for name, device, usable in MACHINES:
-        k = Knobs.of(cfg, shape, device)
+        k = Knobs.of(settings, shape, device)
         stages = stage_bytes(shape, k)
         default = peak(stages)
         if device == "cuda":

@@ -147,28 +147,27 @@ def exported_speed(model, corpus, sparsities, reps, device, sync) -> list[dict]:
 
 def _phases(model, corpus, held, device, overrides: list[str]):
     """Phase A and Phase B modules (and their optimizers) of a composed config."""
+    import dataclasses
+
     import torch
 
     from bake.phases import masks
     from bake.phases.common import Identity
-    from bake.phases.phase_a.learned import PhaseA, PhaseASettings
-    from bake.phases.phase_a.stage import ship_rule
-    from bake.phases.phase_b.module import PhaseB, PhaseBSettings
+    from bake.phases.phase_a.mask import PhaseA
+    from bake.phases.phase_b.module import PhaseB
+    from bake.phases.settings import resolve
     from benchmarks.common import compose
 
     cfg = compose(overrides)
     stack = model.stack
+    settings = resolve(cfg, model.meta)
     init = torch.full((stack.num_virtual, stack.inter), masks.mask_init_logit(stack.loops))
     init += torch.randn(init.shape, generator=torch.Generator().manual_seed(0))  # a ranking
-    sa = PhaseASettings.from_config(cfg.phase_a, 4, ship_rule(cfg))
+    sa = dataclasses.replace(settings.phase_a, eval_batch_size=4, method="learned")
     a = PhaseA(stack, corpus.calib, held, sa, init.to(device), Identity("b", "b")).to(device)
     opt_a = torch.optim.Adam([a.logits], lr=sa.lr, betas=(0.9, 0.999), eps=1e-8)
-    gates = (
-        structure.ShipRule(0.2, 32, True, 0.5, True).keep(init) if sa.ship else init > 0
-    ).float()
-    b_ = cfg.phase_b
-    sb = PhaseBSettings(b_.steps, b_.lr, b_.layers, b_.eval_every, all_layers=b_.all_layers)
-    sb.distill = b_.distill
+    gates = (sa.controller_rule.keep(init) if sa.ship else init > 0).float()
+    sb = dataclasses.replace(settings.phase_b, in_place=False)
     b = PhaseB(stack, corpus.calib, held, sb, gates.to(device), Identity("b", "b")).to(device)
     opt_b = torch.optim.Adam(b.ffn.parameters(), lr=sb.lr, betas=(0.9, 0.999), eps=1e-8)
     return a, opt_a, b, opt_b, gates.to(device)

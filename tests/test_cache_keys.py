@@ -12,16 +12,16 @@ import pytest
 from conftest import PYTHON, REPO, last_run, subprocess_env, tiny_args
 
 from bake.phases.phase_a.stage import PHASE_A_CODE
-from bake.run.cache import code_digest
+from bake.storage.cache import code_digest
 
 # bake modules that Phase A's code imports without computing anything of its result
 NOT_COMPUTING = {
     "bake.errors",
     "bake.memory.measure",
-    "bake.run.files",
+    "bake.storage.files",
     "bake.run.record",
-    "bake.run.ranks",
-    "bake.run.cache",
+    "bake.ranks",
+    "bake.storage.cache",
     "bake.config.validate",
     "bake.tracking.console",
     "bake.models.loader",  # the loaded weights: their identity, the model key, is in the key

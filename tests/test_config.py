@@ -26,11 +26,105 @@ def test_every_yaml_key_is_commented():
     for path in sorted(CONF.rglob("*.yaml")):
         lines = path.read_text().splitlines()
         assert lines[0].startswith("#"), f"{path}: starts with a comment naming its command"
+        assert any("python -m bake" in line for line in lines if line.startswith("#")), path
         for line in lines:
             body = line.split("#", 1)[0]
             is_key = ":" in body and not line.lstrip().startswith(("-", "#"))
-            if is_key and body.rstrip().endswith(":") is False and "defaults" not in body:
-                assert "#" in line or path.name != "config.yaml" or line.startswith(" "), line
+            if is_key and body.rstrip().endswith(":") is False and not line.startswith(" "):
+                assert "#" in line, f"{path}: {line!r} has no comment saying what it is"
+
+
+# -- one source per default: the schema holds them, a preset states only what it changes -----
+SCHEMAS = {
+    "model": "ModelConf",
+    "corpus": "CorpusConf",
+    "phase_a": "PhaseAConf",
+    "phase_b": "PhaseBConf",
+    "export": "ExportConf",
+    "tracking": "TrackingConf",
+    "trainer": "TrainerConf",
+}
+
+
+def _schema(group: str, stated: dict | None = None) -> dict:
+    """The group's schema with its defaults (and ``stated`` merged over them), unresolved
+    (MISSING as ``???``)."""
+    from omegaconf import OmegaConf
+
+    import bake.config.schema as schema
+
+    node = OmegaConf.structured(getattr(schema, SCHEMAS[group]))
+    if stated:
+        node = OmegaConf.merge(node, stated)
+    return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
+
+
+def _stated(path) -> dict:
+    """What a preset's YAML states, its parent preset's first (a ``defaults`` entry naming
+    another option of the same group)."""
+    from omegaconf import OmegaConf
+
+    raw = OmegaConf.to_container(OmegaConf.load(path), resolve=False)
+    out: dict = {}
+    for entry in raw.pop("defaults", []):
+        if isinstance(entry, str) and (path.parent / f"{entry}.yaml").is_file():
+            out |= _stated(path.parent / f"{entry}.yaml")
+    return out | raw
+
+
+def _flat(node, prefix: str = "") -> dict:
+    if isinstance(node, dict) and node:
+        return {k: v for key, val in node.items() for k, v in _flat(val, f"{prefix}{key}.").items()}
+    return {prefix[:-1]: node}
+
+
+@pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONF)))
+def test_every_preset_is_the_schema_plus_the_changes_it_states(path):
+    from omegaconf import OmegaConf
+
+    group = path.parent.name
+    schema, stated = _schema(group), _stated(path)
+    defaults = _flat(schema)
+    for key, value in _flat(stated).items():  # a default is never restated (two sources)
+        assert defaults.get(key, "<not in the schema>") != value, (
+            f"{path.relative_to(CONF)}: {group}.{key}: {value!r} is the schema's default; a "
+            f"preset states only what it changes"
+        )
+    expected = _schema(group, stated)
+    composed = compose([f"{group}={path.stem}"])[group]
+    assert OmegaConf.to_container(composed, resolve=False, enum_to_str=True) == expected
+
+
+def test_the_default_bake_is_the_schema():
+    """``python -m bake`` with no override runs the schema's defaults, with the default model
+    and corpus: no default lives in a YAML file or anywhere else."""
+    from omegaconf import OmegaConf
+
+    cfg = compose()
+    for group in ("phase_a", "phase_b", "export", "tracking", "trainer"):
+        composed = OmegaConf.to_container(cfg[group], resolve=False, enum_to_str=True)
+        assert composed == _schema(group), f"{group}: the default preset changes the schema"
+    assert (cfg.model.name, cfg.corpus.name) == ("smollm2", "python_stdlib")
+
+
+def test_the_memory_plan_reads_the_composed_config_only():
+    """The plan's knobs come from the resolved settings: change a setting, the knob follows
+    (no fallback of the plan's own)."""
+    from bake.memory.plan import Knobs
+    from bake.models.sources import read_meta, read_shape
+    from bake.phases.settings import resolve
+
+    def knobs(*overrides):
+        cfg = compose(["model=tiny", *overrides])
+        meta = read_meta(cfg.model)
+        return Knobs.of(resolve(cfg, meta), read_shape(cfg.model, meta), "cpu")
+
+    base = knobs()
+    assert (base.learned, base.ls, base.optimizer, base.ckpt) == (False, True, "adafactor", True)
+    assert base.ls_stream and base.b_layers == 4 and base.keep == pytest.approx(0.8)
+    assert not knobs("phase_b.ls_drift=0").ls_stream
+    assert knobs("phase_b.optimizer=adam").optimizer == "adam"
+    assert knobs("phase_a=reference").learned and not knobs("phase_a=reference").ls
 
 
 def test_reference_presets_are_the_reference_recipe():

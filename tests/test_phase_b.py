@@ -76,7 +76,8 @@ def _fit_phase_b(tmp_path, baseline: float, record: list):
 @pytest.mark.parametrize("below", [True, False])
 def test_the_kept_evaluation_is_restored_from_best_ckpt_only_when_strictly_better(tmp_path, below):
     from bake.phases.common import best_state
-    from bake.phases.phase_b.stage import Repaired, outcome
+    from bake.phases.phase_b.repaired import Repaired
+    from bake.phases.phase_b.train import outcome
 
     record: list = []
     probe = _fit_phase_b(tmp_path / "probe", math.inf, [])

@@ -23,9 +23,8 @@ from test_phase_a import tcfg, tiny
 from bake.phases import masks, structure
 from bake.phases.common import Identity, make_trainer
 from bake.phases.phase_a.mask import PhaseA
-from bake.phases.settings import PhaseASettings
 from bake.phases.phase_b.module import PhaseB
-from bake.phases.settings import PhaseBSettings
+from bake.phases.settings import PhaseASettings, PhaseBSettings
 
 
 def reference_of(stack) -> TinyLlama:

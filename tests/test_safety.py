@@ -107,10 +107,9 @@ def _patch_for(stage: str, monkeypatch) -> None:
     import safetensors.torch
     import torch
 
-    from bake import corpus
     from bake.export import model as export
     from bake.phases.phase_a import results
-    from bake.phases.phase_b import stage as stage_b
+    from bake.phases.phase_b import least_squares
 
     if stage == "corpus cache":
         monkeypatch.setattr(safetensors.torch, "save_file", _enospc)
@@ -119,10 +118,9 @@ def _patch_for(stage: str, monkeypatch) -> None:
     elif stage == "phase A cache":
         monkeypatch.setattr(results.PhaseAResult, "save", _enospc)
     elif stage == "least squares":
-        monkeypatch.setattr(stage_b, "_save_downs", _enospc)
+        monkeypatch.setattr(least_squares, "_save_downs", _enospc)
     elif stage == "export":
         monkeypatch.setattr(export, "save_streaming", _enospc)
-    del corpus
 
 
 @pytest.mark.bake
@@ -176,13 +174,12 @@ def test_a_symlink_loop_is_walked_once_and_no_document_counts_twice(tmp_path):
 def test_the_same_content_under_two_names_is_read_once(tmp_path):
     from collections import Counter
 
-    from bake.corpus.documents import Document as _Doc
-    from bake.corpus.documents import read_document as _read
+    from bake.corpus.documents import Document, read_document
 
     for name in ("a.py", "b.py"):
         (tmp_path / name).write_text("def f():\n    return 1\n")
     seen, skipped = set(), Counter()
-    texts = [_read(_Doc(n, path=tmp_path / n), skipped, seen) for n in ("a.py", "b.py")]
+    texts = [read_document(Document(n, path=tmp_path / n), skipped, seen) for n in ("a.py", "b.py")]
     assert texts[0] is not None and texts[1] is None and skipped["duplicate content"] == 1
 
 

@@ -11,11 +11,11 @@ from safetensors.torch import load_file
 
 from bake.config import unused
 from bake.models.sources import read_meta
+from bake.phases import masks, structure
 
 
 def ignored(cfg, overrides):
     return unused.ignored(cfg, overrides, read_meta(cfg.model, cfg.paths.cache))
-from bake.phases import masks, structure
 
 
 def test_share_visits_ties_the_rows_of_each_layer():

@@ -19,6 +19,7 @@ def ignored(cfg, overrides):
 def unused(cfg):
     return _unused.unused(cfg, read_meta(cfg.model, cfg.paths.cache))
 
+
 # Every key only a learned Phase A reads, with a valid value for it.
 LEARNED_ONLY = {
     "phase_a.steps": "10",

@@ -1,7 +1,9 @@
 """bake: specialise a pretrained causal LM to a task corpus and make it smaller.
 
-Phase A learns one gate per FFN neuron per (virtual) layer; Phase B repairs the FFN of the last
-layers under the hard mask; the export writes a physically smaller Hugging Face model.
+Phase A chooses the FFN neurons that stay per (virtual) layer (FLAP's score by default, or a
+learned gate per neuron); least squares and Phase B repair the FFN under the structure that
+ships; the export writes a physically smaller Hugging Face model. ``python -m bake`` runs it;
+:func:`load_baked` loads what it wrote. docs/development.md maps the packages.
 """
 
 from __future__ import annotations

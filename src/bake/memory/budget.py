@@ -1,6 +1,6 @@
 """The memory plan held against the memory there is: refuse before loading, name what fits.
 
-:mod:`bake.plan` computes the peaks; this module finds the memory available (the free RAM of
+:mod:`bake.memory.plan` computes the peaks; this module finds the memory available (the free RAM of
 this machine with this process's own, or the free memory of the CUDA device, or
 ``trainer.memory_limit_gib``), refuses a bake that would not fit in one line (exit code 2,
 before any weight is read), and names the settings that would bring it under, each with its

@@ -7,8 +7,8 @@ composed settings, from first principles: fp32 weights as loaded (twice during t
 FFN weights a phase trains with their gradients and optimiser state (Phase B trains the bake's
 own tensors: 4 + 8 bytes per parameter with Adam; Phase A's copies 16), the activations one
 step keeps for its backward (or, with activation checkpointing, each layer's input), the head's
-logit blocks (:data:`bake.stack.LOGIT_BUDGET`), least squares' residual streams and its float64
-normal equations (one layer's, or every layer's on a looped model), the artifact loaded back
+logit blocks (:data:`bake.models.stack.LOGIT_BUDGET`), least squares' residual streams and its
+float64 normal equations (one layer's, or every layer's on a looped model), the artifact loaded back
 with its full logits, plus
 a measured constant for the interpreter and its libraries. On CPU a stage's peak is the
 process's resident memory; on CUDA it is the memory the allocator holds on the device. Each
@@ -34,7 +34,7 @@ MIB = 1 << 20
 GIB = 1 << 30
 # The interpreter with torch, transformers, Lightning and Hydra imported, the corpus and a
 # byte-level tokenizer: resident memory after loading model=tiny (measured, 2-core CPU, torch 2.13).
-# A bake planned on its own machine measures the imports instead (bake.budget.measured_base):
+# A bake planned on its own machine measures the imports instead (bake.memory.budget.measured_base):
 # what the libraries hold differs between machines by tens of MiB.
 BASE = 578 * MIB
 IMPORTS = (
@@ -114,7 +114,7 @@ class Knobs:
 
 
 def _eval(s: Shape, k: Knobs, batch: int, observe: bool = False) -> int:
-    """Tensors of one forward without gradient over ``batch`` chunks (bake.stack.held_nll):
+    """Tensors of one forward without gradient over ``batch`` chunks (bake.models.stack.held_nll):
     the residual stream, the widest of attention, FFN and the head's logit block."""
     from bake.models.stack import LOGIT_BUDGET
 
@@ -251,7 +251,7 @@ def resident(s: Shape, k: Knobs) -> int:
 
 def ls_in_place(s: Shape, k: Knobs) -> bool:
     """Whether least squares writes its solution over the backbone's ``down_proj``
-    (bake.phases.stage_b.least_squares): not on a looped model, not after a Phase A that trained
+    (bake.phases.phase_b.least_squares.run): not on a looped model, not after a Phase A that trained
     the FFN, not with distillation."""
     return s.loops == 1 and not k.a_ffn and not k.distill
 

@@ -3,9 +3,9 @@
 The attention projections, the embedding and an untied head never train (attention is frozen,
 the head is read by the loss only). With ``bf16`` they are rounded to bf16 once, after the
 load, and every use computes in fp32 from them: an attention projection upcasts its weight per
-call, the embedding the rows it looks up, the head one block of vocabulary rows at a time
-(:func:`bake.stack.head_rows`). So the forward's arithmetic is fp32 on bf16-rounded weights:
-exact for a checkpoint stored in bf16, a rounding of each weight otherwise. Norms stay fp32
+call, the embedding the rows it looks up, the head one block of vocabulary rows at a time (the
+head losses of :mod:`bake.models.stack`). So the forward's arithmetic is fp32 on bf16-rounded
+weights: exact for a checkpoint stored in bf16, a rounding of each weight otherwise. Norms stay fp32
 (small), and so does the FFN (Phase B trains it; Phase A's masks read it). The export writes
 the rounded weights in fp32.
 """

@@ -23,7 +23,6 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bake.config import ModelKind
 from bake.errors import BakeError
 from bake.models import families
 from bake.models.files import (
@@ -169,7 +168,7 @@ class HfSource(Source):
 
     def key(self) -> str:
         files = sorted(self.directory().glob("*.safetensors"))
-        kind = ModelKind(self.mcfg.kind).value
+        kind = str(self.mcfg.kind)  # hf | nanbeige
         return f"{self.mcfg.name}-{fingerprint(*(file_id(f) for f in files), kind)}".replace(
             "/", "_"
         )
@@ -261,8 +260,8 @@ class GgufSource(Source):
         """The converted copy under the cache, converting it when needed."""
         import transformers
 
-        from bake.run import cache
-        from bake.run.files import atomic_dir
+        from bake.storage import cache
+        from bake.storage.files import atomic_dir
 
         src, mcfg = self.file(), self.mcfg
         assert self.cache is not None  # paths.cache: always set by the config
@@ -301,17 +300,18 @@ class GgufSource(Source):
         return self.file()
 
 
-_SOURCES: dict[ModelKind, type[Source]] = {
-    ModelKind.tiny: TinySource,
-    ModelKind.hf: HfSource,
-    ModelKind.nanbeige: HfSource,
-    ModelKind.gguf: GgufSource,
+# model.kind (bake.config.schema.ModelKind) -> its source
+_SOURCES: dict[str, type[Source]] = {
+    "tiny": TinySource,
+    "hf": HfSource,
+    "nanbeige": HfSource,
+    "gguf": GgufSource,
 }
 
 
 def source_for(mcfg, cache: str | Path | None = None) -> Source:
     """The source of the configured model (``model.kind``)."""
-    return _SOURCES[ModelKind(mcfg.kind)](mcfg, cache)
+    return _SOURCES[str(mcfg.kind)](mcfg, cache)
 
 
 def read_meta(mcfg, cache: str | Path | None = None) -> ModelMeta:

@@ -418,8 +418,10 @@ class _HeadDistill(torch.autograd.Function):
 
 
 def autocast_for(device: torch.device, precision: str):
-    """The autocast context of an evaluation: bf16 on CUDA when allowed, else none (fp32)."""
-    if device.type == "cuda" and precision in ("auto", "bf16"):
+    """The autocast context of an evaluation in ``precision``, as resolved by
+    :func:`bake.phases.settings.resolve_precision` (the precision rule): bf16 autocast on CUDA,
+    else none (fp32)."""
+    if device.type == "cuda" and precision == "bf16":
         return torch.autocast("cuda", dtype=torch.bfloat16)
     return nullcontext()
 

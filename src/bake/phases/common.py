@@ -153,7 +153,7 @@ class Identity:
 
 def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter (accelerator lines, tips) and the warnings a user
-    cannot act on out of the bake's output (see :mod:`bake.console`)."""
+    cannot act on out of the bake's output (see :mod:`bake.tracking.console`)."""
     from bake.tracking.console import quiet_libraries
 
     quiet_libraries()
@@ -214,7 +214,7 @@ def _streaming_io():
 
     class StreamingCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-            from bake.run.cache import seal
+            from bake.storage.cache import seal
 
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
@@ -299,7 +299,7 @@ def verified_checkpoint(path: Path) -> Path:
     """``path`` when it matches the checksum written beside it; BakeError naming it when not
     (a flipped byte or a truncated file is refused, never resumed from)."""
     from bake.errors import BakeError
-    from bake.run.cache import checksum
+    from bake.storage.cache import checksum
 
     side = path.with_name(path.name + ".sha256")
     try:

@@ -19,7 +19,7 @@ from torch import Tensor
 
 from bake.memory import measure
 from bake.models.stack import FfnOverride, held_nll, perplexity
-from bake.run.ranks import rank_zero
+from bake.ranks import rank_zero
 
 if TYPE_CHECKING:
     from bake.corpus.splits import Corpus

@@ -11,14 +11,14 @@ evaluations, the threshold that binarises mask logits, and the shipping rule.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
+from bake.config.schema import resolved
 from bake.phases.structure import ShipRule
-from bake.run.record import resolved
 
 if TYPE_CHECKING:
     from omegaconf import DictConfig
@@ -61,6 +61,15 @@ class PhaseASettings:
     def trains(self) -> bool:
         """Whether Phase A trains (a learned mask); else it is a training-free score."""
         return trains(self.method)
+
+    @property
+    def controller_rule(self) -> ShipRule:
+        """The controller's structure (``phase_a.controller=schedule``): the shipping rule read
+        by rank (no threshold consulted), or, in the reference's order, ranked unaligned."""
+        rule = self.ship or ShipRule(
+            self.target_sparsity, 1, False, self.tau, loops=self.shared_loops
+        )
+        return replace(rule, ranked=True)
 
 
 @dataclass

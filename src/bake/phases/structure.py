@@ -15,7 +15,7 @@ import logging
 import math
 import sys
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import Tensor
@@ -268,7 +268,7 @@ def repaired(logits: Tensor, rule: ShipRule | None, tau: float, num_layers: int)
     met after alignment, ``rule``); without a rule (``export.align_before_repair=false``) the
     raw binarised mask, as in the reference (the export aligns it afterwards)."""
     if rule is not None and rule.ranked:  # the controller's mask: the top logits, unaligned
-        alive_ = ShipRule(rule.target, 1, False, rule.tau, True, rule.loops).keep(logits)
+        alive_ = replace(rule, align=1, uniform=False).keep(logits)
     else:
         alive_ = alive(logits, tau)
     visits = rule.keep(logits) if rule is not None else alive_

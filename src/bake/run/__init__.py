@@ -1,2 +1,2 @@
-"""One bake as a run: the pipeline, the report, the run directory's guard and record, the shared
-cache and the writes that are never left half-done."""
+"""One bake as a run: the Hydra job, the pipeline, the report, and the run directory's guard
+and record."""

@@ -23,7 +23,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from bake.errors import BakeError
-from bake.run.ranks import rank_zero
+from bake.ranks import rank_zero
 from bake.run.record import LOCK
 
 _HELD: dict[str, int] = {}  # run dir -> open lock file descriptor of this process
@@ -74,8 +74,9 @@ def check_resume(cfg, run_dir: Path) -> None:
     """``resume`` continues its own directory, with settings a resume may carry."""
     from omegaconf import OmegaConf
 
-    from bake.run.cache import digest
-    from bake.run.record import RECORD, comparable, read_record, resolved, resume_changes
+    from bake.config.schema import resolved
+    from bake.run.record import RECORD, comparable, read_record, resume_changes
+    from bake.storage.cache import digest
 
     resume = Path(str(cfg.resume)).expanduser()
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 from bake.memory import measure
 from bake.phases import structure
 from bake.phases.context import Outcome, RunContext
-from bake.run.ranks import rank_zero
+from bake.ranks import rank_zero
 from bake.run.record import open_record
 from bake.tracking.tracker import Tracker
 

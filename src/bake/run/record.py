@@ -10,14 +10,14 @@ import json
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
-from bake.run.cache import digest
-from bake.run.files import atomic_write
+from bake.storage.cache import digest
+from bake.storage.files import atomic_write
 
 if TYPE_CHECKING:
-    from omegaconf import DictConfig
+    pass
 
 RECORD = "bake_run.json"
 LOCK = ".bake.lock"
@@ -49,13 +49,6 @@ def flatten(node, prefix: str = "") -> dict[str, object]:
     else:
         out[prefix[:-1]] = node
     return out
-
-
-def resolved(cfg: DictConfig) -> dict:
-    """The composed config as plain, resolved containers (enums as their names)."""
-    from omegaconf import OmegaConf
-
-    return cast(dict, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
 
 def params_of(config: dict) -> dict[str, object]:

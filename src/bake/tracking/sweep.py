@@ -96,7 +96,8 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     holding what the sweep gives them (``0.1,0.2,0.3``)."""
     from omegaconf import OmegaConf
 
-    from bake.run.record import params_of, resolved
+    from bake.config.schema import resolved
+    from bake.run.record import params_of
     from bake.tracking.runnames import override_key
 
     job_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])

@@ -62,7 +62,7 @@ def falsy(value: Any) -> bool:
     return not value
 
 
-# The FFN activations bake's fused FFN computes (bake.stack.ACTIVATIONS, with their backward).
+# The FFN activations bake's fused FFN computes (bake.models.stack.ACTIVATIONS, with backwards).
 ACTIVATIONS = ("silu", "swish", "gelu", "gelu_pytorch_tanh", "gelu_new")
 
 

@@ -3,7 +3,7 @@
 Its config.json (architectures NanbeigeForCausalLM, model_type nanbeige) describes a Llama
 decoder with an explicit head_dim and an untied head, run ``num_loops`` times with shared
 weights; its safetensors keys are Llama's. bake builds a LlamaForCausalLM of that shape, loads
-the weights and runs the loop in :class:`bake.stack.Stack`. The Hub modeling code needs
+the weights and runs the loop in :class:`bake.models.stack.Stack`. The Hub modeling code needs
 trust_remote_code and is broken under transformers 5 (its RoPE buffer ends up all zeros), so it
 is never imported. A looped export is bake's own format (:func:`bake.load_baked`); with
 ``model.loops=1`` the export is a stock Llama.

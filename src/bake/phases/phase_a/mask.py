@@ -266,9 +266,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
 
     def rule(self) -> ShipRule:
         """The controller's structure: the shipped one's alignment, ranked by logit."""
-        s = self.s
-        align, uniform = (s.ship.align, s.ship.uniform) if s.ship is not None else (1, False)
-        return ShipRule(s.target_sparsity, align, uniform, s.tau, True, s.shared_loops)
+        return self.s.controller_rule
 
     def choice(self) -> Choice:
         """The selection rule over the evaluations so far."""

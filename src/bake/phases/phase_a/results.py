@@ -17,8 +17,8 @@ import torch
 from torch import Tensor
 
 from bake.phases.structure import select
-from bake.run import cache
-from bake.run.files import atomic_write
+from bake.storage import cache
+from bake.storage.files import atomic_write
 
 
 @dataclass

@@ -63,8 +63,8 @@ def cached_stats(stack: Stack, calib: Tensor, path: Path) -> ActivationStats:
     corpus computed them (a full pass over the calibration set)."""
     from safetensors.torch import load_file, save_file
 
-    from bake.run import cache
-    from bake.run.files import atomic_write
+    from bake.storage import cache
+    from bake.storage.files import atomic_write
 
     def reader(p: Path) -> ActivationStats:
         t = load_file(p)

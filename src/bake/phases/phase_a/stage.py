@@ -16,8 +16,8 @@ from bake.models import families
 from bake.phases import phase_a
 from bake.phases.context import Keys
 from bake.phases.phase_a.results import PhaseAResult, Selection
-from bake.run.cache import code_digest, digest
-from bake.run.ranks import rank_zero
+from bake.ranks import rank_zero
+from bake.storage.cache import code_digest, digest
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation

@@ -39,8 +39,8 @@ from torch import Tensor
 from bake.models.stack import FfnOverride, Stack
 from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
 from bake.phases.structure import select_repair
-from bake.run.cache import digest
-from bake.run.ranks import rank_name
+from bake.ranks import rank_name
+from bake.storage.cache import digest
 
 if TYPE_CHECKING:
     from bake.phases.context import RunContext
@@ -262,7 +262,7 @@ def _save_downs(path, downs: list, mask) -> None:
     """The repaired ``down_proj`` weights of a run, for its resume (atomic)."""
     from safetensors.torch import save_file
 
-    from bake.run.files import atomic_write
+    from bake.storage.files import atomic_write
 
     tensors = {f"down.{li}": d.detach().cpu() for li, d in enumerate(downs)}
     with atomic_write(path) as tmp:

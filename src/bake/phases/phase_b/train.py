@@ -19,8 +19,8 @@ import torch
 from bake.memory import measure
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
 from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
-from bake.run.cache import digest
-from bake.run.ranks import rank_name
+from bake.ranks import rank_name
+from bake.storage.cache import digest
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation

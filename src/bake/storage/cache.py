@@ -15,7 +15,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import TypeVar
 
-from bake.run.files import atomic_write
+from bake.storage.files import atomic_write
 
 log = logging.getLogger("bake.cache")
 T = TypeVar("T")

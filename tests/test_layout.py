@@ -1,0 +1,153 @@
+"""The shape of the code: no import cycle, a short top level, and no module outside the family
+registry that switches on a family's name (docs/development.md)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+from conftest import REPO
+
+SRC = REPO / "src" / "bake"
+FAMILIES = SRC / "models" / "families"
+
+
+def _modules() -> dict[str, Path]:
+    out = {}
+    for path in sorted(SRC.rglob("*.py")):
+        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+        if parts[-1] == "__init__":
+            parts = parts[:-1]
+        out[".".join(parts)] = path
+    return out
+
+
+def _imports(name: str, path: Path, modules: dict[str, Path]) -> set[str]:
+    """The bake modules ``name`` imports anywhere in its source (functions and TYPE_CHECKING
+    blocks included), an import of its own package left out."""
+    found = set()
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                up = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*up, *([node.module] if node.module else [])])
+            targets = [
+                f"{base}.{a.name}" if f"{base}.{a.name}" in modules else base for a in node.names
+            ]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            own_package = modules.get(target, Path()).name == "__init__.py" and (
+                name + "."
+            ).startswith(target + ".")
+            if target and target != name and not own_package:
+                found.add(target)
+    return found
+
+
+def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components of more than one module (Tarjan)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    out: list[list[str]] = []
+
+    def visit(v: str) -> None:
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        for w in sorted(edges[v]):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in stack:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            component = []
+            while True:
+                w = stack.pop()
+                component.append(w)
+                if w == v:
+                    break
+            if len(component) > 1:
+                out.append(sorted(component))
+
+    for v in sorted(edges):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_cycle_counting_every_import():
+    modules = _modules()
+    edges = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert _cycles(edges) == []
+    assert "bake.phases.context" in edges["bake.phases.phase_a.stage"]  # the walk sees imports
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert _cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+def test_at_most_twelve_modules_sit_directly_in_the_package():
+    top = sorted(p.name for p in SRC.glob("*.py"))
+    assert len(top) <= 12, top
+
+
+def _family_names() -> set[str]:
+    from bake.models.families import all_families
+
+    names = set()
+    for f in all_families():
+        names |= {f.model_type, f.label.lower(), *(n for n in (f.gguf_arch, f.kind) if n)}
+        names.add(f.model_type.split("_")[0].rstrip("0123456789"))  # "gemma" of gemma3_text
+    return names
+
+
+def _switches(tree: ast.AST, names: set[str]) -> list[str]:
+    """Comparisons and prefix tests against a family's name: ``x == "llama"``, ``x in
+    ("llama", ...)``, ``x.startswith("gemma")``."""
+
+    def named(node: ast.AST) -> bool:
+        consts = [n.value for n in ast.walk(node) if isinstance(n, ast.Constant)]
+        return any(isinstance(c, str) and c.lower() in names for c in consts)
+
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Compare) and (
+            named(node.left) or any(named(c) for c in node.comparators)
+        ):
+            found.append(ast.unparse(node))
+        if (
+            isinstance(node, ast.Call)
+            and isinstance(node.func, ast.Attribute)
+            and node.func.attr in ("startswith", "endswith", "get")
+            and any(named(a) for a in node.args)
+        ):
+            found.append(ast.unparse(node))
+    return found
+
+
+def test_no_module_outside_the_family_registry_switches_on_a_family_name():
+    names = _family_names()
+    assert {"llama", "qwen2", "gemma3_text", "gemma", "nanbeige"} <= names
+    offenders = {}
+    for path in sorted(SRC.rglob("*.py")):
+        if FAMILIES in path.parents:
+            continue
+        found = _switches(ast.parse(path.read_text()), names)
+        if found:
+            offenders[str(path.relative_to(SRC))] = found
+    assert offenders == {}
+
+
+def test_the_switch_finder_finds_a_switch():
+    names = {"llama", "gemma"}
+    tree = ast.parse("a = t == 'llama'\nb = t.startswith('gemma')\nc = t in ('llama', 'x')\n")
+    assert len(_switches(tree, names)) == 3
+    assert _switches(ast.parse("a = t == 'silu'\nb = 'llama'\n"), names) == []
