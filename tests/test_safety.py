@@ -120,7 +120,7 @@ def _patch_for(stage: str, monkeypatch) -> None:
     elif stage == "least squares":
         monkeypatch.setattr(least_squares, "_save_downs", _enospc)
     elif stage == "export":
-        monkeypatch.setattr(export, "save_streaming", _enospc)
+        monkeypatch.setattr(export, "save_streaming", _enospc)  # the export's own name
 
 
 @pytest.mark.bake

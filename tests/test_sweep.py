@@ -199,8 +199,10 @@ def test_the_parent_gets_the_best_metrics_the_table_as_description_and_artifact(
 def test_compare_reads_a_parent_run_id_from_mlflow(tmp_path, capsys):
     _, parent = _sweep_in_store(tmp_path)
     uri = f"sqlite:///{tmp_path}/mlflow.db"
-    assert compare.main([parent, "--uri", uri, "--sort", "exported"]) == 0
-    lines = capsys.readouterr().out.splitlines()
+    assert compare.main([parent, "--uri", uri, "--sort", "exported"]) == 1  # one child FAILED
+    out, err = capsys.readouterr()
+    assert f"bake.compare: 1 of 3 jobs failed: {CHILDREN[2][0]}\n" in err
+    lines = out.splitlines()
     assert lines[0].split() == [
         "run",
         "status",
@@ -265,15 +267,15 @@ def test_rows_from_a_sweep_directory_in_job_order(sweep_dir):
 
 
 def test_compare_prints_the_table_sorted_with_missing_values_last(sweep_dir, capsys):
-    assert compare.main([str(sweep_dir), "--sort", "exported"]) == 0
+    assert compare.main([str(sweep_dir), "--sort", "exported"]) == 1  # job 2 FAILED
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" · ")[0] for line in lines[1:]] == ["0.3", "0.1", "0.2"]
     assert lines[1].split()[-7:] == ["0.3", "30.00", "13.500", "13.250", "11.000", "0.15M", "70"]
     assert lines[3].split()[-7:] == ["0.2", "-", "-", "-", "-", "-", "-"]
-    assert compare.main([str(sweep_dir), "--sort", "sec", "--desc"]) == 0
+    assert compare.main([str(sweep_dir), "--sort", "sec", "--desc"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" · ")[0] for line in lines[1:]] == ["0.3", "0.1", "0.2"]
-    assert compare.main([str(sweep_dir), "--sort", "target", "--desc"]) == 0
+    assert compare.main([str(sweep_dir), "--sort", "target", "--desc"]) == 1
     lines = capsys.readouterr().out.splitlines()
     assert [line.split(" · ")[0] for line in lines[1:]] == ["0.3", "0.2", "0.1"]
 
@@ -302,3 +304,11 @@ def test_a_pipe_in_a_name_stays_in_its_markdown_cell():
     row = table.splitlines()[2]
     assert row.startswith("| 0 · corpus.glob=a\\|b | FAILED | - |")
     assert row.replace("\\|", "").count("|") == len(compare.COLUMNS) + 1
+
+
+def test_compare_help_lists_every_column(capsys):
+    with pytest.raises(SystemExit) as done:
+        compare.main(["--help"])
+    assert done.value.code == 0
+    out = capsys.readouterr().out
+    assert "pruned%" in out and "--sort COLUMN" in out

@@ -22,3 +22,8 @@ class BakeError(Exception):
 
 class TrainingDiverged(BakeError):
     """The loss became NaN or infinite; the checkpoints written so far stay for `resume`."""
+
+
+class StoreUnavailable(BakeError):
+    """The tracking store could not be written (locked for too long by another process); the
+    run's checkpoints stay and ``resume`` continues it, which the one line says."""

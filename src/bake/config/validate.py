@@ -85,6 +85,13 @@ def _ranges(cfg, problems: list[str]) -> None:
     need(t.devices >= 1, "trainer.devices", t.devices, "must be >= 1")
     need(t.num_nodes >= 1, "trainer.num_nodes", t.num_nodes, "must be >= 1")
     need(t.eval_batch_size >= 1, "trainer.eval_batch_size", t.eval_batch_size, "must be >= 1")
+    limit = t.memory_limit_gib
+    need(
+        limit is None or (math.isfinite(limit) and limit > 0),
+        "trainer.memory_limit_gib",
+        limit,
+        "must be a finite number > 0 (GiB a bake may use), or null for the memory that is free",
+    )
     if cfg.model.loops is not None:
         need(cfg.model.loops >= 1, "model.loops", cfg.model.loops, "must be >= 1 (or null)")
 
@@ -99,6 +106,10 @@ def _sources(cfg, problems: list[str]) -> None:
             problems.append("corpus.path: required for corpus.source=jsonl")
         elif not Path(c.path).expanduser().is_file():
             problems.append(f"corpus.path={c.path}: no such file")
+    if cfg.tracking.enabled:
+        from bake.tracking.tracker import store_problems
+
+        problems += store_problems(cfg.tracking)
     if cfg.resume:
         run = Path(cfg.resume).expanduser()
         if not (run / "bake_run.json").is_file():

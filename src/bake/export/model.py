@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -22,6 +21,7 @@ from bake.export.vocab import Trim, remap_ids, rewrite_tokenizer
 from bake.models import families
 from bake.models.baked import VISIT_MASKS
 from bake.phases.structure import Keep, export_format
+from bake.storage.files import Producer, save_streaming
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -87,9 +87,6 @@ def _config(
     return cfg
 
 
-Producer = Callable[[], Tensor]
-
-
 def _as_is(tensor: Tensor) -> Producer:
     """A producer of a source tensor that is written unchanged."""
     return lambda: tensor
@@ -136,33 +133,6 @@ def _tensors(
             for k, (name, shape) in enumerate(zip(family.ffn_names(li), shapes, strict=True))
         ]
     return out
-
-
-def save_streaming(path: Path, tensors: list[tuple[str, tuple, Producer]], metadata: dict) -> None:
-    """Write fp32 tensors in the safetensors format one at a time (the library's writer would
-    first serialise all of them into memory)."""
-    import struct
-
-    header, offset = {}, 0
-    for name, shape, _ in tensors:
-        size = 4 * int(torch.Size(shape).numel())
-        header[name] = {
-            "dtype": "F32",
-            "shape": list(shape),
-            "data_offsets": [offset, offset + size],
-        }
-        offset += size
-    header["__metadata__"] = metadata
-    raw = json.dumps(header, separators=(",", ":")).encode()
-    raw += b" " * (-len(raw) % 8)
-    with open(path, "wb") as fh:
-        fh.write(struct.pack("<Q", len(raw)))
-        fh.write(raw)
-        for name, shape, make in tensors:
-            t = make().detach().to("cpu", torch.float32).contiguous()
-            if tuple(t.shape) != tuple(shape):
-                raise ValueError(f"{name}: shape {tuple(t.shape)}, header says {shape}")
-            fh.write(t.numpy().data.cast("B"))
 
 
 def visit_gates(keep: Keep) -> dict[str, Tensor]:

@@ -40,6 +40,27 @@ def trim() -> None:
         pass
 
 
+def collect() -> None:
+    """Collect the garbage a finished stage left (a phase's module and trainer hold reference
+    cycles) and give its memory back (:func:`trim`), with Ctrl-C held until both are done: a
+    Ctrl-C that lands in a finalizer run by the collection (Lightning's ``Profiler.__del__``)
+    would be printed as "Exception ignored" and lost; held, it is raised right after."""
+    import gc
+    import signal
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        gc.collect()
+        trim()
+        return
+    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        gc.collect()
+        trim()
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a pending Ctrl-C is raised now
+
+
 def reset_peak() -> bool:
     """Restart the peak from the current resident memory (Linux: clear_refs 5)."""
     try:

@@ -100,7 +100,9 @@ class Knobs:
             a_ffn=a.trains and a.train_ffn,
             a_evals=a.steps // max(1, a.eval_every) if a.trains else 1,
             keep=1.0 - a.target_sparsity,
-            ls=ls.enabled and a.target_sparsity > 0,
+            # least squares runs whenever something is pruned: at the target, or wherever a
+            # learned mask's L1 takes it (the reference's target 0)
+            ls=ls.enabled and (a.target_sparsity > 0 or a.trains),
             ls_chunks=ls.chunks,
             ls_stream=ls.drift > 0 and not shape.sandwich,
             b=b.enabled,

@@ -191,6 +191,38 @@ def read_config_json(directory: Path) -> dict:
         raise BakeError(f"{directory / 'config.json'}: unreadable ({exc})") from None
 
 
+INDEX = "model.safetensors.index.json"
+
+
+def weight_files(directory: Path, where: str) -> list[Path]:
+    """The safetensors files of a model directory: those its index names (each a plain file
+    name inside the directory: an entry with a path, ``..`` or an absolute name is refused
+    before any tensor is read), else every ``*.safetensors`` file there. A file that is a
+    symbolic link (a Hugging Face cache snapshot's shards link to its blobs) is read as any
+    other."""
+    index = directory / INDEX
+    if not index.is_file():
+        return sorted(directory.glob("*.safetensors"))
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+        names = sorted({str(v) for v in weight_map.values()})
+    except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+        raise BakeError(f"{where}: {index} is not a readable index ({exc})") from None
+    for name in names:
+        if Path(name).name != name or name in ("", ".", ".."):
+            raise BakeError(
+                f"{where}: {INDEX} names {name!r} in its weight_map, a file outside the model "
+                f"directory; bake reads only the directory's own files: fix the index"
+            )
+    missing = [n for n in names if not (directory / n).is_file()]
+    if missing:
+        raise BakeError(
+            f"{where}: {INDEX} names {missing[0]}, which is not in {directory}: copy the "
+            f"checkpoint again"
+        )
+    return [directory / n for n in names]
+
+
 def layer_widths(cfg: dict) -> list[int]:
     """Per-layer FFN widths of a config.json: a list, or transformers' per_layer_config."""
     n, inter = int(cfg["num_hidden_layers"]), cfg["intermediate_size"]

@@ -9,11 +9,10 @@ read without reading a tensor) or the tiny model's settings.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from bake.models.files import gguf_header
+from bake.models.files import gguf_header, weight_files
 from bake.models.meta import ModelMeta
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
@@ -158,9 +157,4 @@ def _numel(dims) -> int:
 
 def shards(directory: Path) -> tuple[int, ...]:
     """Bytes of each safetensors file the checkpoint's index names (or of the single file)."""
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-    else:
-        names = [p.name for p in sorted(directory.glob("*.safetensors"))]
-    return tuple((directory / n).stat().st_size for n in names if (directory / n).is_file())
+    return tuple(p.stat().st_size for p in weight_files(directory, str(directory)))

@@ -33,6 +33,7 @@ from bake.models.files import (
     hf_dir,
     layer_widths,
     read_config_json,
+    weight_files,
 )
 from bake.models.meta import ModelMeta, loop_norm, one_width
 
@@ -151,6 +152,7 @@ class HfSource(Source):
                     f"needs a Llama-style decoder with a gated gate/up/down MLP"
                 )
         width = one_width(layer_widths(cfg), self.setting)
+        weight_files(directory, self.setting)  # an index naming files elsewhere: refused now
         family = self.family(cfg)
         if family is not None:
             family.refuse(cfg, self.setting)
@@ -397,10 +399,13 @@ def load_dir(directory: Path, where: str) -> tuple[PreTrainedModel, PreTrainedTo
         skeleton = AutoModelForCausalLM.from_config(config, trust_remote_code=False)
     known = families.find(config.model_type)
     check_gated_mlp(skeleton, where, known.layer_norms() if known else ("input_layernorm",))
+    expected = set(skeleton.state_dict())
     del skeleton
     families.get(config.model_type, where).refuse(config.to_dict(), where)
-    if not any(directory.glob("*.safetensors")):
+    files = weight_files(directory, where)
+    if not files:
         raise BakeError(f"{where}: no *.safetensors weights in {directory}; bake reads no others")
+    check_weights(files, expected, bool(getattr(config, "tie_word_embeddings", False)), where)
     try:
         lm = AutoModelForCausalLM.from_pretrained(
             directory,
@@ -422,6 +427,48 @@ def load_dir(directory: Path, where: str) -> tuple[PreTrainedModel, PreTrainedTo
             f"checkpoint's tokenizer files (tokenizer.json, tokenizer_config.json, ...) there"
         ) from None
     return finish(lm), tokenizer
+
+
+HEAD, EMBEDDING = "lm_head.weight", "model.embed_tokens.weight"
+
+
+def check_weights(files: list[Path], expected: set[str], tied: bool, where: str) -> None:
+    """Every weight the model's class holds is in its files (transformers would fill a missing
+    one with random values), and the head is what config.json says: the embedding's when tied
+    (a different ``lm_head.weight`` in the files is refused), its own tensor when not. Read
+    from the files' headers (and, for a tied head stored anyway, the two tensors)."""
+    from safetensors import safe_open
+
+    where_is: dict[str, Path] = {}
+    for path in files:
+        with safe_open(str(path), framework="pt") as fh:
+            where_is |= dict.fromkeys(fh.keys(), path)
+    if not tied and HEAD in expected and HEAD not in where_is:
+        raise BakeError(
+            f"{where}: config.json has an untied head (tie_word_embeddings: false) and the "
+            f"weight files hold no {HEAD}; it would be random: copy the checkpoint's weights "
+            f"again, or set tie_word_embeddings: true if the head is the embedding"
+        )
+    missing = sorted(expected - set(where_is) - ({HEAD} if tied else set()))
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise BakeError(
+            f"{where}: the weight files hold no {', '.join(missing[:3])}{more}; transformers "
+            f"would fill them with random values: copy the checkpoint's weights again"
+        )
+    if tied and HEAD in where_is and EMBEDDING in where_is:
+        import torch
+
+        with safe_open(str(where_is[HEAD]), framework="pt") as fh:
+            head = fh.get_tensor(HEAD)
+        with safe_open(str(where_is[EMBEDDING]), framework="pt") as fh:
+            same = torch.equal(head, fh.get_tensor(EMBEDDING))
+        if not same:
+            raise BakeError(
+                f"{where}: config.json ties the head to the embedding (tie_word_embeddings: "
+                f"true), but the weight files hold a different {HEAD}; set "
+                f"tie_word_embeddings: false to use it, or remove it from the files"
+            )
 
 
 def _reason(exc: BaseException) -> str:

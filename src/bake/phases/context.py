@@ -9,7 +9,6 @@ one device in one precision (:meth:`RunContext.held_ppl`).
 
 from __future__ import annotations
 
-import gc
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -92,8 +91,7 @@ class RunContext:
 
         loader.forget_all()
         del self.model
-        gc.collect()
-        measure.trim()
+        measure.collect()
 
     def held_ppl(
         self, gates: Tensor | None = None, ffn: FfnOverride | None = None, chunks=None

@@ -125,24 +125,6 @@ def remove_stale_staging(run_dir: Path) -> None:
             shutil.rmtree(stale, ignore_errors=True)
 
 
-FAILURES = "failed_jobs.jsonl"
-
-
-def record_failure(sweep_dir: Path, job: int, overrides: str, reason: str) -> None:
-    """Append a failed job to its sweep's record (one line each, from any process)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"job": job, "overrides": overrides, "reason": reason[:500]})
-    with open(sweep_dir / FAILURES, "a") as fh:
-        fh.write(line + "\n")
-
-
-def failures(sweep_dir: Path) -> list[dict]:
-    path = sweep_dir / FAILURES
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 class RunDirGuard(Callback):
     """Hydra callback: refuse before Hydra writes into a directory bake does not own."""
 
@@ -183,6 +165,8 @@ class RunDirGuard(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         """A sweep with failed jobs exits 1, naming them (the others' results stay)."""
+        from bake.tracking.sweep import failures
+
         failed = failures(getattr(self, "_sweep_dir", Path(str(config.hydra.sweep.dir))))
         if failed:
             names = "; ".join(f"job {f['job']} ({f['overrides']}): {f['reason']}" for f in failed)

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from bake.config.validate import validate
-from bake.errors import BakeError, ConfigError
+from bake.errors import BakeError, ConfigError, StoreUnavailable
 from bake.run.record import LOCK
 
 log = logging.getLogger("bake")
@@ -107,6 +107,8 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         overrides = list(getattr(getattr(hc, "overrides", None), "task", None) or [])
         return bake(settings, run_dir, hc, plan, ignored(cfg, overrides, meta))
     except BakeError as exc:
+        if isinstance(exc, StoreUnavailable):  # the training so far stays: say how to go on
+            exc = StoreUnavailable(f"{exc}, then continue with resume={run_dir}")
         print(f"bake: {exc}", file=sys.stderr)
         log.error("%s", exc)
         if multirun:
@@ -138,7 +140,7 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
 
 def _failed(hc, reason: str) -> float:
     """A sweep job's failure, recorded for the sweep's exit code; NaN to the sweeper."""
-    from bake.run import guard
+    from bake.tracking.sweep import record_failure
 
-    guard.record_failure(Path(hc.sweep.dir), int(hc.job.num), " ".join(hc.overrides.task), reason)
+    record_failure(Path(hc.sweep.dir), int(hc.job.num), " ".join(hc.overrides.task), reason)
     return math.nan

@@ -9,7 +9,6 @@ models, tokenised corpora, activation statistics, Phase A results) lives under `
 
 from __future__ import annotations
 
-import gc
 import logging
 import math
 import time
@@ -47,20 +46,20 @@ def bake(
 
     rank0 = rank_zero()
     record = open_record(run_dir, settings.config, write=rank0)
-    track = rank0 and settings.tracking.enabled
-    tracker = open_tracker(settings, record, hc) if track else Tracker()
-    if rank0:
-        record.update(mlflow_run_id=tracker.run_id)
-        log.info("run directory: %s", run_dir)
-        if plan is not None:
-            log.info("%s", plan.line())
-        for u in ignored:
-            log.warning("%s", u.line())
-    ctx = RunContext(settings, Path(run_dir), record, tracker)
-    ctx.plan = plan.as_dict() if plan is not None else None
-    ctx.ignored = [u.as_dict() for u in ignored]
-    status = "FAILED"
-    try:
+    tracker, status = Tracker(), "FAILED"
+    try:  # from here on, a failure (a locked store included) is recorded in bake_run.json
+        if rank0 and settings.tracking.enabled:
+            tracker = open_tracker(settings, record, hc)
+        if rank0:
+            record.update(mlflow_run_id=tracker.run_id)
+            log.info("run directory: %s", run_dir)
+            if plan is not None:
+                log.info("%s", plan.line())
+            for u in ignored:
+                log.warning("%s", u.line())
+        ctx = RunContext(settings, Path(run_dir), record, tracker)
+        ctx.plan = plan.as_dict() if plan is not None else None
+        ctx.ignored = [u.as_dict() for u in ignored]
         value = _stages(ctx)
         status = "FINISHED"
         return value
@@ -88,8 +87,7 @@ def _timed(ctx: RunContext, name: str, fn, *args):
     t0 = time.perf_counter()
     out = fn(*args)
     ctx.seconds[name] = time.perf_counter() - t0
-    gc.collect()  # a phase's module and trainer hold reference cycles
-    measure.trim()
+    measure.collect()  # a phase's module and trainer hold reference cycles
     if ctx.memory.loaded is not None:
         ctx.memory.stage_done(name)
     return out

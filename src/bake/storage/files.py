@@ -1,13 +1,18 @@
-"""Writes that are never left half-done: a temporary sibling, renamed into place at the end."""
+"""Writes that are never left half-done (a temporary sibling, renamed into place at the end), and
+tensors written to a safetensors file one at a time."""
 
 from __future__ import annotations
 
 import os
 import shutil
 import tempfile
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from torch import Tensor
 
 
 def _umask() -> int:
@@ -71,3 +76,36 @@ def staged(target_dir: Path, last: str) -> Iterator[Path]:
             os.replace(tmp / name, dest)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+Producer = Callable[[], "Tensor"]  # makes one tensor when it is written
+
+
+def save_streaming(path: Path, tensors: list[tuple[str, tuple, Producer]], metadata: dict) -> None:
+    """Write fp32 tensors in the safetensors format one at a time (the library's writer would
+    first serialise all of them into memory)."""
+    import json
+    import struct
+
+    import torch
+
+    header, offset = {}, 0
+    for name, shape, _ in tensors:
+        size = 4 * int(torch.Size(shape).numel())
+        header[name] = {
+            "dtype": "F32",
+            "shape": list(shape),
+            "data_offsets": [offset, offset + size],
+        }
+        offset += size
+    header["__metadata__"] = metadata
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)
+    with open(path, "wb") as fh:
+        fh.write(struct.pack("<Q", len(raw)))
+        fh.write(raw)
+        for name, shape, make in tensors:
+            t = make().detach().to("cpu", torch.float32).contiguous()
+            if tuple(t.shape) != tuple(shape):
+                raise ValueError(f"{name}: shape {tuple(t.shape)}, header says {shape}")
+            fh.write(t.numpy().data.cast("B"))

@@ -183,40 +183,82 @@ def rows_from_mlflow(uri: str, parent: str) -> list[dict]:
     return [row_from_run(r) for r in child_runs(client, parent)]
 
 
-def rows_from_dir(sweep_dir: Path) -> list[dict]:
-    """One row per job directory of a sweep, from the files the jobs wrote."""
-    from omegaconf import OmegaConf
+def rows_from_dir(sweep_dir: Path, problems: list[str] | None = None) -> list[dict]:
+    """One row per job of a sweep, from the files the jobs wrote: its directory, or for a job
+    refused before it ran (an invalid config) its line in the sweep's record of failures, in
+    job order. A file that cannot be read is left out of its row and named in ``problems``."""
+    from bake.tracking.sweep import failures
 
+    problems = [] if problems is None else problems
     lines, swept = sweep_spec(str(sweep_dir))
     jobs = sorted((d for d in sweep_dir.iterdir() if d.is_dir() and d.name.isdigit()), key=_num_key)
-    rows = []
-    for job in jobs:
-        hydra_dir = job / ".hydra"
-        overrides = _yaml_list(hydra_dir / "overrides.yaml")
-        cfg_path = hydra_dir / "config.yaml"
-        cfg = OmegaConf.load(cfg_path) if cfg_path.is_file() else None
-        report = _json(job / "report.json")
-        record = _json(job / "bake_run.json")
-        model = model_label(cfg) if cfg is not None else "model"
-        ppl = report.get("perplexity", {})
-        rows.append(
-            {
-                "run": run_name(model, overrides, swept),
-                "swept": " ".join(split(overrides, swept)[0]),
-                "run_id": record.get("mlflow_run_id"),
-                "job_dir": str(job),
-                "status": "FINISHED" if report else record.get("status", "-"),
-                "target": _float(OmegaConf.select(cfg, "phase_a.target_sparsity")) if cfg else NAN,
-                "pruned": report.get("export", {}).get("pruned_ratio", NAN),
-                "masked_ppl": ppl.get("masked", NAN),
-                "overlaid_ppl": ppl.get("overlaid", NAN),
-                "exported_ppl": ppl.get("exported", NAN),
-                "backbone_ppl": ppl.get("backbone", NAN),
-                "params_after": report.get("parameters", {}).get("after", NAN),
-                "seconds": report.get("seconds", {}).get("total", NAN),
-            }
-        )
-    return rows
+    rows = {int(job.name): _row_of_dir(job, swept, problems) for job in jobs}
+    for failed in failures(sweep_dir):
+        if failed["job"] not in rows:  # never got a directory: refused before it ran
+            rows[failed["job"]] = _row_of_failure(failed, swept)
+    return [rows[k] for k in sorted(rows)]
+
+
+def _row(run: str, swept: str, status: str, target: float) -> dict:
+    keys = ("pruned", "masked_ppl", "overlaid_ppl", "exported_ppl", "backbone_ppl")
+    row = {"run": run, "swept": swept, "run_id": None, "job_dir": None, "status": status}
+    return row | {"target": target} | dict.fromkeys((*keys, "params_after", "seconds"), NAN)
+
+
+def _row_of_failure(failed: dict, swept) -> dict:
+    """The row of a job refused before it ran, from its line in the sweep's record."""
+    overrides = str(failed.get("overrides", "")).split()
+    given = dict(o.split("=", 1) for o in overrides if "=" in o)
+    model = Path(given.get("model.name", given.get("model", "model"))).name
+    run, fixed = run_name(model, overrides, swept), " ".join(split(overrides, swept)[0])
+    row = _row(run, fixed, "FAILED", _float(given.get("phase_a.target_sparsity", NAN)))
+    return row | {"job": failed.get("job"), "reason": failed.get("reason", "")}
+
+
+def _row_of_dir(job: Path, swept, problems: list[str]) -> dict:
+    from omegaconf import OmegaConf
+
+    hydra_dir = job / ".hydra"
+    overrides = _read(hydra_dir / "overrides.yaml", _yaml_list, [], problems)
+    cfg = _read(hydra_dir / "config.yaml", OmegaConf.load, None, problems)
+    report = _read(job / "report.json", _json_dict, {}, problems)
+    record = _read(job / "bake_run.json", _json_dict, {}, problems)
+    model = model_label(cfg) if cfg is not None else "model"
+    target = _float(OmegaConf.select(cfg, "phase_a.target_sparsity")) if cfg else NAN
+    row = _row(run_name(model, overrides, swept), " ".join(split(overrides, swept)[0]), "-", target)
+    ppl = report.get("perplexity", {})
+    return row | {
+        "run_id": record.get("mlflow_run_id"),
+        "job_dir": str(job),
+        "status": "FINISHED" if report else record.get("status", "-"),
+        "pruned": report.get("export", {}).get("pruned_ratio", NAN),
+        "masked_ppl": ppl.get("masked", NAN),
+        "overlaid_ppl": ppl.get("overlaid", NAN),
+        "exported_ppl": ppl.get("exported", NAN),
+        "backbone_ppl": ppl.get("backbone", NAN),
+        "params_after": report.get("parameters", {}).get("after", NAN),
+        "seconds": report.get("seconds", {}).get("total", NAN),
+    }
+
+
+def _read(path: Path, reader, missing, problems: list[str]):
+    """``reader(path)``; ``missing`` when the file is absent, or unreadable (named in
+    ``problems``: the row shows what the job's other files say)."""
+    if not path.is_file():
+        return missing
+    try:
+        return reader(path)
+    except Exception as exc:  # a corrupt file of a job must not hide the sweep's other rows
+        why = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:160]
+        problems.append(f"{path}: unreadable ({why}); left out of its row")
+        return missing
+
+
+def _json_dict(path: Path) -> dict:
+    value = json.loads(path.read_text())
+    if not isinstance(value, dict):
+        raise ValueError(f"a JSON {type(value).__name__}, not an object")
+    return value
 
 
 def _num_key(path: Path) -> int:
@@ -230,17 +272,13 @@ def _float(v) -> float:
         return NAN
 
 
-def _json(path: Path) -> dict:
-    try:
-        return json.loads(path.read_text())
-    except (OSError, ValueError):
-        return {}
-
-
 def _yaml_list(path: Path) -> list[str]:
     from omegaconf import OmegaConf
 
-    return [str(o) for o in OmegaConf.load(path)] if path.is_file() else []
+    value = OmegaConf.load(path)
+    if not OmegaConf.is_list(value):
+        raise ValueError("not a list of overrides")
+    return [str(o) for o in value]
 
 
 # -- command line ------------------------------------------------------------------------------
@@ -257,8 +295,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--sort",
         metavar="COLUMN",
-        help="order by this column: "
-        + ", ".join(c.header for c in COLUMNS)
+        help="order by this column: "  # argparse formats help with %: a header's % is doubled
+        + ", ".join(c.header.replace("%", "%%") for c in COLUMNS)
         + " (default: launch order)",
     )
     parser.add_argument("--desc", action="store_true", help="largest first")
@@ -270,9 +308,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sort is not None:
         column(args.sort)  # an unknown column fails before anything is read
-    source = Path(args.source)
+    source, problems = Path(args.source), []
     if source.is_dir():
-        rows = rows_from_dir(source)
+        rows = rows_from_dir(source, problems)
         hint = "no job directories (0/, 1/, ...) there: pass outputs/multirun/<date>/<time>"
     else:
         rows = rows_from_mlflow(args.uri, args.source)
@@ -281,4 +319,18 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bake.compare: {args.source}: {hint}", file=sys.stderr)
         return 1
     print(format_table(sort_rows(rows, args.sort, args.desc)))
+    for problem in problems:
+        print(f"bake.compare: {problem}", file=sys.stderr)
+    failed = [r for r in rows if r["status"] == "FAILED"]
+    if failed:  # as the sweep itself: a sweep with a failed job is not a success
+        names = "; ".join(_failed_job(r) for r in failed)
+        print(f"bake.compare: {len(failed)} of {len(rows)} jobs failed: {names}", file=sys.stderr)
+        return 1
     return 0
+
+
+def _failed_job(row: dict) -> str:
+    """A failed job as the end of a sweep names it: its number, what set it apart, why."""
+    num = Path(row["job_dir"]).name if row.get("job_dir") else row.get("job")
+    name = f"job {num} ({row['swept'] or row['run']})" if num is not None else row["run"]
+    return name + (f": {row['reason']}" if row.get("reason") else "")

@@ -80,6 +80,9 @@ def quiet_libraries() -> None:
         hf_logging.disable_progress_bar()
     for name in QUIET_LOGGERS:
         logging.getLogger(name).setLevel(logging.WARNING)
+    # Its errors (a locked store, with a full traceback) reach bake as exceptions, which bake
+    # waits out or reports in one line (bake.tracking.tracker.patiently).
+    logging.getLogger("mlflow.store.db.utils").setLevel(logging.CRITICAL)
     for pattern in QUIET_WARNINGS:
         warnings.filterwarnings("ignore", message=pattern)
 

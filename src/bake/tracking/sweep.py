@@ -114,6 +114,24 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     return params
 
 
+FAILURES = "failed_jobs.jsonl"
+
+
+def record_failure(sweep_dir: Path, job: int, overrides: str, reason: str) -> None:
+    """Append a failed job to its sweep's record (one line each, from any process)."""
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    line = json.dumps({"job": job, "overrides": overrides, "reason": reason[:500]})
+    with open(sweep_dir / FAILURES, "a") as fh:
+        fh.write(line + "\n")
+
+
+def failures(sweep_dir: Path) -> list[dict]:
+    path = sweep_dir / FAILURES
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
 class SweepCallback(Callback):
     """Hydra callback: a parent MLflow run per multirun, and its summary at the end."""
 

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bake.errors import BakeError
+from bake.errors import BakeError, StoreUnavailable
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -35,6 +35,10 @@ SIGNIFICANT = 6  # digits of a metric in MLflow: 259.533, 0.175, 8.89412; counts
 # open its runs table (3.17 opens its GenAI view whatever the tag; see the README).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 NOTE = "mlflow.note.content"  # the run's description in the UI (markdown)
+# How long a bake waits for an SQLite store another process holds locked (`mlflow ui` writing,
+# another bake, a backup) before it gives up: long enough for any writer that is only busy, and
+# the bake's checkpoints stay for a resume when it is not.
+STORE_WAIT = 600.0
 
 
 def rounded(value) -> float:
@@ -45,15 +49,61 @@ def rounded(value) -> float:
     return float(f"{float(value):.{SIGNIFICANT}g}")
 
 
-class Tracker:
-    """Logs to one MLflow run; every method is a no-op when tracking is off."""
+def _locked(exc: BaseException) -> bool:
+    """The error of an SQLite store another process holds locked."""
+    return "database is locked" in str(exc) or "database table is locked" in str(exc)
 
-    def __init__(self, client=None, run_id: str | None = None):
-        self.client, self.run_id = client, run_id
+
+def patiently(what: str, where: str, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)``, retried while the store is locked by another process, every 1 s
+    doubling to 30 s, for up to :data:`STORE_WAIT` seconds (one warning when it starts); then
+    :class:`StoreUnavailable` naming the store."""
+    import time
+
+    deadline, delay = None, 1.0
+    while True:
+        try:
+            return fn(*args, **kwargs)
+        except Exception as exc:
+            if not _locked(exc):
+                raise
+            now = time.monotonic()
+            if deadline is None:
+                deadline = now + STORE_WAIT
+                log.warning(
+                    "tracking: %s is locked by another process (%s); waiting up to %.0f s",
+                    where,
+                    what,
+                    STORE_WAIT,
+                )
+            if now >= deadline:
+                raise StoreUnavailable(
+                    f"tracking.uri={where}: the MLflow store stayed locked by another process "
+                    f"for {STORE_WAIT:.0f} s ({what}: database is locked); stop the process "
+                    f"that holds it (`fuser` names it) or wait for it"
+                ) from None
+            time.sleep(min(delay, deadline - now))
+            delay = min(2 * delay, 30.0)
+
+
+class Tracker:
+    """Logs to one MLflow run; every method is a no-op when tracking is off. A store that
+    stays locked ends the bake (:func:`patiently`), and the tracker is off from then on, so the
+    failure's own bookkeeping does not wait again."""
+
+    def __init__(self, client=None, run_id: str | None = None, where: str = ""):
+        self.client, self.run_id, self.where = client, run_id, where
 
     @property
     def enabled(self) -> bool:
         return self.client is not None
+
+    def _call(self, what: str, fn, *args, **kwargs):
+        try:
+            return patiently(what, self.where, fn, *args, **kwargs)
+        except StoreUnavailable:
+            self.client = None
+            raise
 
     def metrics(self, values: Mapping[str, float | None], step: int | None = None) -> None:
         """Log ``values`` at ``step``; None, booleans and non-finite values are left out."""
@@ -68,7 +118,7 @@ class Tracker:
             if v is not None and not isinstance(v, bool) and math.isfinite(float(v))
         ]
         if batch:
-            self.client.log_batch(self.run_id, metrics=batch)
+            self._call("metrics", self.client.log_batch, self.run_id, metrics=batch)
 
     def params(self, values: dict[str, object]) -> None:
         if not self.enabled:
@@ -77,14 +127,15 @@ class Tracker:
 
         items = [Param(k, str(v)[:6000]) for k, v in values.items()]
         for i in range(0, len(items), 100):
-            self.client.log_batch(self.run_id, params=items[i : i + 100])
+            self._call("params", self.client.log_batch, self.run_id, params=items[i : i + 100])
 
     def tags(self, values: dict[str, object]) -> None:
         if not self.enabled:
             return
         from mlflow.entities import RunTag
 
-        self.client.log_batch(self.run_id, tags=[RunTag(k, str(v)) for k, v in values.items()])
+        tags = [RunTag(k, str(v)) for k, v in values.items()]
+        self._call("tags", self.client.log_batch, self.run_id, tags=tags)
 
     def note(self, markdown: str) -> None:
         """The run's description, shown on its page in the UI."""
@@ -93,18 +144,17 @@ class Tracker:
     def table(self, columns: dict[str, list], artifact_file: str) -> None:
         """A table artifact (JSON, column -> values) that the UI shows as a table."""
         if self.enabled:
-            self.client.log_table(self.run_id, data=columns, artifact_file=artifact_file)
+            log_table = self.client.log_table
+            self._call("table", log_table, self.run_id, data=columns, artifact_file=artifact_file)
 
     def artifact(self, path: Path, subdir: str | None = None) -> None:
         if self.enabled and Path(path).exists():
-            if Path(path).is_dir():
-                self.client.log_artifacts(self.run_id, str(path), subdir)
-            else:
-                self.client.log_artifact(self.run_id, str(path), subdir)
+            log = self.client.log_artifacts if Path(path).is_dir() else self.client.log_artifact
+            self._call("artifacts", log, self.run_id, str(path), subdir)
 
     def end(self, status: str) -> None:
         if self.enabled:
-            self.client.set_terminated(self.run_id, status)
+            self._call("the run's end", self.client.set_terminated, self.run_id, status)
 
 
 def _now_ms() -> int:
@@ -135,9 +185,11 @@ def check_reachable(uri: str) -> None:
 def client_for(tcfg) -> MlflowClient:
     """An MlflowClient on ``tracking.uri`` (the SQLite file's folder is made on demand).
 
-    MLflow creates (or migrates) a SQLite store's schema on first use, and two processes doing
-    it at once fail ("duplicate column name"): bakes started together on a fresh outputs/
-    (parallel launchers, two terminals) take turns through a lock file beside the store.
+    A new SQLite store is created whole or not at all: MLflow creates and migrates its schema
+    in a temporary file beside it, renamed into place when complete, so a Ctrl-C (or a kill)
+    in the middle leaves no half-migrated store that every later bake would fail on. Two
+    processes creating it at once would also collide ("duplicate column name"): bakes started
+    together on a fresh outputs/ take turns through a lock file beside the store.
     """
     from mlflow import MlflowClient
 
@@ -148,9 +200,62 @@ def client_for(tcfg) -> MlflowClient:
     db = Path(uri[len("sqlite:///") :])
     db.parent.mkdir(parents=True, exist_ok=True)
     with _store_lock(db):
+        for stale in db.parent.glob(f".{db.name}.*.creating"):  # a creation that was killed
+            stale.unlink(missing_ok=True)
+        if not db.exists():
+            _create_store(db)
         client = MlflowClient(tracking_uri=uri)
-        client.search_experiments(max_results=1)  # the schema exists once this returns
+        patiently("opening it", uri, client.search_experiments, max_results=1)
     return client
+
+
+def _create_store(db: Path) -> None:
+    """A new SQLite store at ``db``, its schema made in a temporary file renamed into place."""
+    from mlflow import MlflowClient
+
+    import uuid
+
+    # a name of its own per attempt: MLflow keeps a store (and its engine) per URI
+    tmp = db.with_name(f".{db.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.creating")
+    try:
+        client = MlflowClient(tracking_uri=f"sqlite:///{tmp}")
+        client.search_experiments(max_results=1)  # creates and migrates the schema
+        client._tracking_client.store.engine.dispose()  # its connections, closed before the move
+        os.replace(tmp, db)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+SQLITE_MAGIC = b"SQLite format 3\x00"
+
+
+def store_problems(tcfg) -> list[str]:
+    """Why ``tracking.uri`` cannot be an MLflow store bake writes, found before anything
+    loads (empty: it can; a server is checked when the bake starts)."""
+    uri = str(tcfg.uri)
+    if uri.startswith("file:") or "://" not in uri:
+        return [
+            f"tracking.uri={uri}: MLflow's file store (./mlruns) is not supported by this "
+            f"MLflow; use an SQLite file (sqlite:///outputs/mlflow.db, the default) or a "
+            f"server (tracking=server tracking.uri=http://host:5000)"
+        ]
+    if not uri.startswith("sqlite:///"):
+        return []
+    db = Path(uri[len("sqlite:///") :])
+    if db.is_dir():
+        return [
+            f"tracking.uri={uri}: {db} is a directory, not an MLflow store; point tracking.uri "
+            f"at a file (sqlite:///<folder>/mlflow.db)"
+        ]
+    if db.is_file() and db.stat().st_size:
+        with open(db, "rb") as fh:
+            head = fh.read(len(SQLITE_MAGIC))
+        if head != SQLITE_MAGIC:
+            return [
+                f"tracking.uri={uri}: {db} is not an SQLite database (it was left as it is); "
+                f"move it away, or point tracking.uri at another file"
+            ]
+    return []
 
 
 @contextmanager
@@ -168,6 +273,10 @@ def _store_lock(db: Path):
 def experiment_id(client, tcfg) -> str:
     """The experiment's id, created with its artifact location under outputs/ when new, and
     marked as model training (:data:`EXPERIMENT_KIND`)."""
+    return patiently("the experiment", tcfg.uri, _experiment_id, client, tcfg)
+
+
+def _experiment_id(client, tcfg) -> str:
     exp = client.get_experiment_by_name(tcfg.experiment)
     if exp is None:
         location = None
@@ -223,8 +332,9 @@ def start_run(tcfg, run_name: str, tags: dict, params: dict, parent_id: str | No
         all_tags["mlflow.source.git.commit"] = commit
     if parent_id:
         all_tags["mlflow.parentRunId"] = parent_id
-    run = client.create_run(exp, run_name=run_name, tags={k: str(v) for k, v in all_tags.items()})
-    tracker = Tracker(client, run.info.run_id)
+    tags_ = {k: str(v) for k, v in all_tags.items()}
+    run = patiently("a new run", tcfg.uri, client.create_run, exp, run_name=run_name, tags=tags_)
+    tracker = Tracker(client, run.info.run_id, tcfg.uri)
     tracker.params(params)
     return tracker
 
@@ -239,7 +349,7 @@ def reopen_run(tcfg, run_id: str, resumed: int) -> Tracker:
             f"resume: MLflow run {run_id} is not in {tcfg.uri}; resume with the tracking "
             f"settings of the original run"
         ) from None
-    client.update_run(run_id, status="RUNNING")
-    tracker = Tracker(client, run_id)
+    patiently("the resumed run", tcfg.uri, client.update_run, run_id, status="RUNNING")
+    tracker = Tracker(client, run_id, tcfg.uri)
     tracker.tags({"bake.resumed": resumed})
     return tracker

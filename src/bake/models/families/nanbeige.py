@@ -14,12 +14,12 @@ The full-size path is verified only against a small synthetic checkpoint in the 
 
 from __future__ import annotations
 
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
 from bake.models.families import SILU, Family, Rule, falsy, register
+from bake.models.files import weight_files
 
 if TYPE_CHECKING:
     from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerBase
@@ -77,14 +77,12 @@ def llama_config(cfg: dict) -> LlamaConfig:
 
 
 def _shards(directory: Path) -> list[Path]:
-    index = directory / "model.safetensors.index.json"
-    if index.is_file():
-        names = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        return [directory / n for n in names]
-    single = directory / "model.safetensors"
-    if single.is_file():
-        return [single]
-    raise BakeError(f"{directory}: no model.safetensors(.index.json); bake reads only safetensors")
+    found = weight_files(directory, f"{directory}")
+    if not found:
+        raise BakeError(
+            f"{directory}: no model.safetensors(.index.json); bake reads only safetensors"
+        )
+    return found
 
 
 def load_nanbeige(directory: Path, cfg: dict) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:

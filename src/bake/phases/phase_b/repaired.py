@@ -28,8 +28,7 @@ class Repaired:
 def save_values(path: Path, tensors: list) -> None:
     """The values of ``tensors``, written one at a time (atomic): what an in-place repair
     restores when it is not kept."""
-    from bake.export.model import save_streaming
-    from bake.storage.files import atomic_write
+    from bake.storage.files import atomic_write, save_streaming
 
     parts = [(f"t.{i}", tuple(t.shape), t.detach) for i, t in enumerate(tensors)]
     with atomic_write(path) as tmp:

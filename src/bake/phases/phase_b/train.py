@@ -8,7 +8,6 @@ restored when no evaluation is kept.
 
 from __future__ import annotations
 
-import gc
 import logging
 import time
 from dataclasses import replace
@@ -92,8 +91,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
         "sec_fwd_bwd": module.timer.means()[0],
     }
     del module, trainer  # free the copies and optimizer state before reading the best ones
-    gc.collect()
-    measure.trim()
+    measure.collect()
     best = best_state(phase_dir)
     if live is not None:  # the trained tensors take the kept evaluation's values, or their own
         if kept is not None and best is not None:
