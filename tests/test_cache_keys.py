@@ -25,6 +25,7 @@ NOT_COMPUTING = {
     "bake.config.validate",
     "bake.tracking.console",
     "bake.models.loader",  # the loaded weights: their identity, the model key, is in the key
+    "bake.config.schema",  # the settings' types; their resolved values are in the key
 }
 
 

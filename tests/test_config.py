@@ -124,7 +124,8 @@ def test_the_memory_plan_reads_the_composed_config_only():
     assert base.ls_stream and base.b_layers == 4 and base.keep == pytest.approx(0.8)
     assert not knobs("phase_b.ls_drift=0").ls_stream
     assert knobs("phase_b.optimizer=adam").optimizer == "adam"
-    assert knobs("phase_a=reference").learned and not knobs("phase_a=reference").ls
+    assert knobs("phase_a=reference").learned and knobs("phase_a=reference").ls
+    assert not knobs("phase_a=reference", "phase_b=reference").ls
 
 
 def test_reference_presets_are_the_reference_recipe():

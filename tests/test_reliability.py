@@ -28,7 +28,7 @@ def test_compare_lists_a_job_that_failed_validation_and_exits_1(tmp_path, capsys
     from test_sweep import _job, _report
 
     from bake.tracking import compare
-    from bake.tracking.sweep import record_failure
+    from bake.tracking.failures import record_failure
 
     sweep = tmp_path / "multirun" / "2026-12-06" / "10-00-00"
     sweep.mkdir(parents=True)
@@ -234,10 +234,14 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_during_collection_is_raised_after_it
         def __del__(self):
             os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C now
 
-    gc.collect()
-    Finalized()
-    with pytest.raises(KeyboardInterrupt):
-        measure.collect()
+    before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a bake runs
+    try:
+        gc.collect()
+        Finalized()
+        with pytest.raises(KeyboardInterrupt):
+            measure.collect()
+    finally:
+        signal.signal(signal.SIGINT, before)
 
 
 # -- the MLflow store: created whole, checked before anything loads, waited for when locked ---
@@ -359,3 +363,318 @@ def test_a_store_locked_for_a_while_is_waited_for(monkeypatch):
     assert tracker.patiently("metrics", "sqlite:///x.db", busy) == "done" and len(calls) == 3
     with pytest.raises(RuntimeError, match="disk I/O"):  # other errors are not waited for
         tracker.patiently("metrics", "x", lambda: (_ for _ in ()).throw(RuntimeError("disk I/O")))
+
+
+# -- weak messages and small holes ------------------------------------------------------------
+def test_a_file_with_nul_bytes_after_its_first_8_kib_is_binary(tmp_path):
+    from collections import Counter
+
+    from bake.corpus.documents import Document, read_document
+
+    path = tmp_path / "late.txt"
+    path.write_bytes(b"def f():\n    return 1\n" * 500 + b"\x00" * 4000)  # 11 KB of text first
+    skipped: Counter = Counter()
+    assert read_document(Document("late.txt", path=path), skipped, set()) is None
+    assert skipped["binary"] == 1
+
+
+@pytest.mark.parametrize("damage", ["missing", "truncated"])
+def test_load_baked_names_a_missing_or_truncated_weight_file(tmp_path, damage):
+    import json
+
+    import bake
+    from bake.errors import BakeError
+
+    folder = _llama_dir(tmp_path / "m", tied=True)
+    config = json.loads((folder / "config.json").read_text())
+    config["bake"] = {"format": "stock", "model_type": "llama", "loops": 1, "widths": [64, 64]}
+    (folder / "config.json").write_text(json.dumps(config))
+    weights = folder / "model.safetensors"
+    if damage == "missing":
+        weights.unlink()
+    else:
+        weights.write_bytes(weights.read_bytes()[:1000])
+    with pytest.raises(BakeError) as err:
+        bake.load_baked(folder)
+    msg = str(err.value)
+    assert msg.startswith(f"{folder}: model.safetensors cannot be read (") and "\n" not in msg
+
+
+def test_a_run_directory_below_a_regular_file_is_named_as_such(tmp_path):
+    from bake.errors import BakeError
+    from bake.run.guard import check_new_dir
+
+    (tmp_path / "outputs").write_text("a file where a folder should be\n")
+    with pytest.raises(BakeError) as err:
+        check_new_dir(tmp_path / "outputs" / "runs" / "x")
+    assert str(err.value).startswith(f"{tmp_path / 'outputs'}: a file, so the run directory")
+    assert "permissions" not in str(err.value)
+
+
+def test_a_second_bake_into_a_directory_another_bake_holds_names_that_bake(tmp_path):
+    """Two bakes started into one run directory at once: the one that lost is told that
+    another bake holds it, with its pid (not that the lock file "is not a bake's", nor to
+    resume a bake that is still running)."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    from bake.errors import BakeError
+    from bake.run.guard import check_new_dir
+    from bake.run.record import LOCK, RECORD
+
+    run = tmp_path / "run"
+    run.mkdir()
+    holder = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            "import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+            "fcntl.flock(fd, fcntl.LOCK_EX); os.write(fd, b'{\"pid\": 4242}'); print('held', "
+            "flush=True); time.sleep(60)",
+            str(run / LOCK),
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        for entries in ([], [RECORD]):  # before and after the winner wrote its record
+            for name in entries:
+                (run / name).write_text(json.dumps({}))
+            with pytest.raises(BakeError) as err:
+                check_new_dir(run)
+            msg = str(err.value)
+            assert msg.startswith(f'{run} is being written by another bake ({{"pid": 4242}})')
+            assert "not a bake's" not in msg and "resume=" not in msg
+    finally:
+        holder.kill()
+        holder.wait()
+    assert os.path.exists(run / LOCK)
+    with pytest.raises(BakeError, match="already holds a bake; continue it with resume="):
+        check_new_dir(run)  # the lock is free now: a finished or killed bake's directory
+
+
+@pytest.mark.bake
+def test_resuming_a_finished_run_leaves_it_as_it_is_and_returns_its_value(
+    tmp_path, docs_dir, capsys
+):
+    import json
+
+    from conftest import last_run, run_bake, tiny_args
+
+    args = tiny_args(tmp_path, docs_dir, "phase_a=flap", "tracking.enabled=false")
+    assert run_bake(args) == 0
+    run = last_run(tmp_path)
+    report = run / "report.json"
+    before = (report.stat().st_mtime_ns, report.read_text(), (run / "bake_run.json").read_text())
+    capsys.readouterr()
+    assert run_bake([*args, f"resume={run}"]) == 0
+    out = capsys.readouterr().out
+    exported = json.loads(report.read_text())["perplexity"]["exported"]
+    assert f"bake: {run} has finished (exported held-out perplexity {exported:.4f})" in out
+    assert (
+        report.stat().st_mtime_ns,
+        report.read_text(),
+        (run / "bake_run.json").read_text(),
+    ) == before
+
+
+def test_a_callback_that_cannot_be_imported_is_refused_before_loading():
+    cfg = compose(["model=tiny", "trainer.callbacks=[{_target_:nowhere.Callback}]"])
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    (problem,) = err.value.problems
+    assert problem.startswith("trainer.callbacks[0]._target_=nowhere.Callback: cannot be imported")
+    validate(compose(["model=tiny", "trainer.callbacks=[{_target_:conftest.InterruptAt}]"]))
+
+
+@pytest.mark.cli
+@pytest.mark.mlflow
+def test_a_sweep_of_plans_creates_no_mlflow_parent(tmp_path, capsys):
+    from conftest import run_bake
+
+    args = ["-m", "model=tiny", "plan=true", "phase_a.target_sparsity=0.1,0.2"]
+    assert run_bake([*args, f"paths.outputs={tmp_path}"]) == 0
+    out = capsys.readouterr().out
+    assert out.count("memory plan: peak") == 2  # each job printed its plan
+    assert not (tmp_path / "mlflow.db").exists()  # and no store, no parent run, was made
+
+
+@pytest.mark.parametrize("path", ["/tmp/run", "/tmp/my runs/run 1", "/tmp/it's", "/tmp/a,b"])
+def test_printed_commands_survive_a_shell_and_hydra(path):
+    """The resume and MLflow UI commands bake prints work for paths with spaces, quotes or
+    commas, pasted into a shell as printed."""
+    import shlex
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    from bake.errors import resume_arg
+    from bake.tracking.tracker import ui_hint
+
+    (argv,) = shlex.split(resume_arg(path))
+    assert OverridesParser.create().parse_override(argv).value() == path
+    command = ui_hint(f"sqlite:///{path}/mlflow.db")[0].split("MLflow UI", 1)[1]
+    assert shlex.split(command)[3] == f"sqlite:///{path}/mlflow.db"
+
+
+@pytest.mark.parametrize(
+    "override, choices",
+    [
+        ("export.gguf=bogus", "none, f32, f16, bf16, q8_0, q4_k_m, q5_k_m, q6_k"),
+        ("phase_b.optimizer=adam,bogus", "adam, adafactor, sgd"),
+    ],
+)
+def test_a_value_outside_a_settings_choices_is_one_line_and_exit_2(capsys, override, choices):
+    from conftest import run_bake
+
+    assert run_bake([override, "paths.outputs=/nonexistent"]) == 2
+    err = capsys.readouterr().err
+    assert (
+        err.strip() == f"bake: {override.split(',')[0].split('=')[0]}=bogus: not one of {choices}"
+    )
+
+
+@pytest.mark.parametrize("per_doc", [1, 500])
+def test_a_one_file_corpus_is_told_to_add_documents_not_to_raise_chunks_per_doc(tmp_path, per_doc):
+    from conftest import write_docs
+
+    from bake.corpus.splits import load_corpus
+    from bake.errors import BakeError
+    from bake.models.tiny import byte_tokenizer
+
+    docs = write_docs(tmp_path / "one", 1, min_lines=3000, max_lines=3000)  # one long file
+    cfg = compose(
+        [
+            "model=tiny",
+            "corpus=text_files",
+            f"corpus.glob={docs}/*.py",
+            "corpus.chunk_len=64",
+            f"corpus.chunks_per_doc={per_doc}",
+            "export.vocab=task",
+        ]
+    )
+    with pytest.raises(BakeError) as err:
+        load_corpus(cfg.corpus, byte_tokenizer(), "tiny", 0, tmp_path / "cache")
+    msg = str(err.value)
+    assert "add documents (held-out and calibration chunks come from different documents" in msg
+    assert "chunks_per_doc" not in msg
+
+
+@pytest.mark.bake
+def test_bake_gguf_on_a_tiny_run_or_a_truncated_export_is_one_line(tmp_path, docs_dir, capsys):
+    from conftest import last_run, run_bake, tiny_args
+
+    from bake.errors import BakeError
+    from bake.export import gguf
+
+    args = tiny_args(tmp_path, docs_dir, "phase_a=flap", "tracking.enabled=false")
+    assert run_bake(args) == 0
+    run = last_run(tmp_path)
+    capsys.readouterr()
+    assert gguf.main([str(run), "--type", "q8_0"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"bake.gguf: {run}: model=tiny has a byte tokenizer without merges")
+    assert "Traceback" not in err and not list(run.glob("*.gguf"))
+    weights = run / "model" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-100])  # a copy cut short
+    with pytest.raises(BakeError, match=r"model\.safetensors: truncated \(\d+ bytes"):
+        gguf.check_weights(run / "model")
+
+
+def test_a_killed_conversions_scratch_folder_is_removed_by_the_next(tmp_path):
+    import os
+
+    from bake.export import gguf
+
+    dead = tmp_path / f"{gguf.SCRATCH}999999999-abc"
+    mine = tmp_path / f"{gguf.SCRATCH}{os.getpid()}-xyz"
+    for folder in (dead, mine):
+        folder.mkdir()
+        (folder / "f16.gguf").write_bytes(b"partial")
+    gguf.remove_stale_scratch(tmp_path)
+    assert not dead.exists() and mine.exists()  # a running conversion's folder stays
+
+
+@pytest.mark.bake
+def test_a_resume_after_a_corpus_file_was_edited_names_the_file(tmp_path, docs_dir, capsys):
+    import json
+    import shutil
+
+    from conftest import interrupt, last_run, run_bake, tiny_args
+
+    docs = tmp_path / "docs"
+    shutil.copytree(docs_dir, docs)
+    args = tiny_args(tmp_path / "out", docs, "tracking.enabled=false", interrupt("b", 4))
+    assert run_bake(args) == 130
+    run = last_run(tmp_path / "out")
+    files = json.loads((run / "bake_run.json").read_text())["stages"]["corpus_files"]
+    edited = sorted(files)[0]
+    with open(edited, "a") as fh:
+        fh.write("    return a new line that changes its chunks\n" * 40)
+    capsys.readouterr()
+    resume = [a for a in args if not a.startswith("trainer.callbacks")]
+    assert run_bake([*resume, f"resume={run}"]) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("bake:")]
+    assert len(lines) == 1 and f"the corpus file {edited}" in lines[0], err[-2000:]
+    assert "changed since the run started" in lines[0] and "overrides" not in lines[0]
+
+
+@pytest.mark.bake
+def test_a_trimmed_vocabulary_a_gguf_file_cannot_hold_is_refused_before_training(tmp_path, capsys):
+    """export.vocab=task with export.gguf: a calibration text that uses none of the
+    tokenizer's merged tokens leaves a BPE without merges, which llama.cpp refuses; said
+    before Phase A trains, not after all the training."""
+    import json
+
+    from conftest import last_run, run_bake
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=300,
+        special_tokens=["<|endoftext|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(["the quick brown fox jumps over the lazy dog\n"] * 200, trainer)
+    bpe = PreTrainedTokenizerFast(
+        tokenizer_object=tok, eos_token="<|endoftext|>", bos_token="<|endoftext|>"
+    )
+    eos = bpe.convert_tokens_to_ids("<|endoftext|>")
+    model = tmp_path / "model"
+    cfg = LlamaConfig(
+        vocab_size=len(bpe), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=2, num_key_value_heads=2, bos_token_id=eos, eos_token_id=eos,
+    )  # fmt: skip
+    LlamaForCausalLM(cfg).save_pretrained(model)
+    bpe.save_pretrained(model)
+    docs = tmp_path / "docs"
+    docs.mkdir()
+    import random
+
+    rng = random.Random(0)
+    for i in range(60):  # digits only: no merge of the tokenizer's is ever used
+        (docs / f"d{i}.txt").write_text(" ".join(str(rng.randrange(10)) for _ in range(400)))
+    args = [
+        "model=hf",
+        f"model.name_or_path={model}",
+        "corpus=text_files",
+        f"corpus.glob={docs}/*.txt",
+        "corpus.chunk_len=64",
+        "export.vocab=task",
+        "export.gguf=f32",
+        "tracking.enabled=false",
+        f"paths.outputs={tmp_path / 'out'}",
+    ]
+    assert run_bake(args) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("bake:")]
+    assert len(lines) == 1 and "keeps none of the tokenizer's merges" in lines[0], err[-2000:]
+    record = json.loads((last_run(tmp_path / "out") / "bake_run.json").read_text())
+    assert "phase_a_logged" not in record["stages"]  # Phase A never ran

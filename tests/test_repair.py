@@ -105,11 +105,11 @@ def test_least_squares_in_place_ships_its_solution_or_the_backbone(
     from conftest import last_run, report, run_bake, tiny_args
     from safetensors.torch import load_file
 
-    from bake.phases import masks
+    from bake.phases.phase_b import least_squares
 
     base = ["phase_a=flap", "phase_b.enabled=false", "tracking.enabled=false"]
     choose = structure.select_repair if kept else (lambda ppls, baseline: None)
-    monkeypatch.setattr(masks, "select_repair", choose)
+    monkeypatch.setattr(least_squares, "select_repair", choose)  # the stage's keep-or-not
     assert run_bake(tiny_args(tmp_path / "ls", docs_dir, *base, "phase_b.least_squares=true")) == 0
     run = last_run(tmp_path / "ls")
     assert report(run)["least_squares"]["improved"] is kept

@@ -167,7 +167,8 @@ def _sweep_in_store(tmp_path):
 @pytest.mark.mlflow
 def test_the_parent_gets_the_best_metrics_the_table_as_description_and_artifact(tmp_path, capsys):
     client, parent = _sweep_in_store(tmp_path)
-    rows = summarise(client, parent, tmp_path / "sweep", ["phase_a.target_sparsity"])
+    uri = f"sqlite:///{tmp_path}/mlflow.db"
+    rows = summarise(client, parent, tmp_path / "sweep", ["phase_a.target_sparsity"], uri)
     assert [r["run"] for r in rows] == [c[0] for c in CHILDREN]
     run = client.get_run(parent)
     metrics, tags = run.data.metrics, run.data.tags
@@ -190,7 +191,10 @@ def test_the_parent_gets_the_best_metrics_the_table_as_description_and_artifact(
     assert table["columns"][:3] == ["run", "status", "target"]
     assert [row[0] for row in table["data"]] == [c[0] for c in CHILDREN]
     assert [row[table["columns"].index("exported")] for row in table["data"]] == [12.5, 11.25, 9.0]
+    params = [row[table["columns"].index("params")] for row in table["data"]]
+    assert params == [100000, 90000, 80000]  # exact counts: a unit-less 0.1 would mislead
     out = capsys.readouterr().out
+    assert "mlflow ui --backend-store-uri" in out  # the end of a sweep says how to look
     assert "sweep summary (3 jobs):" in out
     assert all(c[0] in out for c in CHILDREN)  # whole names, as in MLflow
 

@@ -28,6 +28,31 @@ def _hydra_main(cfg) -> float:
     return run_job(cfg)
 
 
+def _choices(args: list[str]) -> str | None:
+    """The first ``key=value`` override of a setting with fixed choices (an enum of the schema)
+    whose value is none of them, as one line naming the choices; None when all are valid."""
+    from enum import Enum
+    from typing import get_type_hints
+
+    from bake.config.schema import BakeConf
+
+    groups = get_type_hints(BakeConf)
+    for arg in args:
+        key, eq, value = arg.lstrip("+").partition("=")
+        group, dot, name = key.partition(".")
+        if not eq or not dot or arg.startswith("-") or "$" in value or "(" in value:
+            continue
+        schema = groups.get(group)
+        kind = get_type_hints(schema).get(name) if isinstance(schema, type) else None
+        if not (isinstance(kind, type) and issubclass(kind, Enum)):
+            continue
+        names = [m.name for m in kind]
+        for part in value.split(","):  # a sweep's values, each
+            if part.strip().strip("'\"") not in names:
+                return f"{key}={part}: not one of {', '.join(names)}"
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run bake with command-line ``argv`` in this process; returns the exit code."""
     if not (conf_dir() / CONFIG_NAME).is_file():
@@ -37,8 +62,13 @@ def main(argv: list[str] | None = None) -> int:
             file=sys.stderr,
         )
         return 1
+    args = list(sys.argv[1:] if argv is None else argv)
+    wrong = _choices(args)
+    if wrong:  # Hydra's own error is six lines and exit 1 for what is a configuration error
+        print(f"bake: {wrong}", file=sys.stderr)
+        return 2
     saved = sys.argv
-    sys.argv = ["bake", *(sys.argv[1:] if argv is None else argv)]
+    sys.argv = ["bake", *args]
     try:
         _hydra_main()
     except SystemExit as exc:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import shlex
+
 
 class ConfigError(Exception):
     """One or more configuration problems, found before anything heavy runs (exit code 2)."""
@@ -27,3 +29,13 @@ class TrainingDiverged(BakeError):
 class StoreUnavailable(BakeError):
     """The tracking store could not be written (locked for too long by another process); the
     run's checkpoints stay and ``resume`` continues it, which the one line says."""
+
+
+def resume_arg(run_dir) -> str:
+    """``resume=<run dir>`` as a user pastes it into a shell: a path with spaces or shell
+    characters quoted, and one with characters Hydra reads as syntax (``,`` would make a sweep)
+    quoted for Hydra too."""
+    value = str(run_dir)
+    if any(c in value for c in ",[]{}()='\"\\"):
+        value = "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+    return shlex.quote(f"resume={value}")

@@ -200,8 +200,32 @@ ACCELERATORS = ("auto", "cpu", "cuda", "gpu", "mps")
 STRATEGIES = ("auto", "ddp")  # bake's step semantics are defined for these (see README)
 
 
+def _callbacks(cfg, problems: list[str]) -> None:
+    """Every ``trainer.callbacks`` entry names a class that can be imported (found now, not
+    after the model is loaded and the backbone measured)."""
+    from hydra.utils import get_object
+    from omegaconf import OmegaConf
+
+    for i, spec in enumerate(cfg.trainer.callbacks):
+        target = spec.get("_target_") if OmegaConf.is_dict(spec) or isinstance(spec, dict) else None
+        if not target:
+            problems.append(
+                f"trainer.callbacks[{i}]={spec}: not a {{_target_: module.Class, ...}} entry"
+            )
+            continue
+        try:
+            get_object(str(target))
+        except Exception as exc:
+            why = f"{type(exc).__name__}: {exc}".strip().splitlines()[0][:160]
+            problems.append(
+                f"trainer.callbacks[{i}]._target_={target}: cannot be imported ({why}); name an "
+                f"importable Lightning Callback class"
+            )
+
+
 def _trainer(cfg, multirun: bool, problems: list[str]) -> None:
     t = cfg.trainer
+    _callbacks(cfg, problems)
     if str(t.accelerator) not in ACCELERATORS:
         problems.append(
             f"trainer.accelerator={t.accelerator}: not one of {', '.join(ACCELERATORS)}"

@@ -223,11 +223,20 @@ def _check(
     if rejected:
         found += f"; {rejected_lines(rejected)}"
     if len(calib.chunks) < MIN_CALIB_CHUNKS:
+        usable = seen - sum(skipped.values())
+        fixes = ["add documents"]
+        if usable < 2:  # held-out and calibration text never share a document
+            fixes[0] += (
+                " (held-out and calibration chunks come from different documents, and there "
+                f"{'is' if usable == 1 else 'are'} {usable})"
+            )
+        fixes += ["lower corpus.chunk_len", "lower corpus.held_chunks"]
+        if usable >= 2 and ccfg.chunks_per_doc * usable < ccfg.held_chunks + ccfg.calib_chunks:
+            fixes.append(f"raise corpus.chunks_per_doc (now {ccfg.chunks_per_doc})")
         raise BakeError(
             f"corpus: only {len(calib.chunks)} calibration chunks of {ccfg.chunk_len} tokens "
             f"after {len(held.chunks)} held-out chunks, from {found}; bake needs at least "
-            f"{MIN_CALIB_CHUNKS}: add documents, lower corpus.chunk_len, lower "
-            f"corpus.held_chunks or raise corpus.chunks_per_doc"
+            f"{MIN_CALIB_CHUNKS}: " + ", ".join(fixes[:-1]) + f" or {fixes[-1]}"
         )
     if skipped or rejected:
         log.warning("corpus: %s", found)
@@ -332,3 +341,25 @@ def calibration_texts(ccfg, corpus: Corpus) -> Iterator[str]:
             text = read_document(d, skipped, contents)
             if text is not None:
                 yield text
+
+
+def source_files(ccfg, corpus: Corpus) -> dict[str, list[int]]:
+    """The files the corpus's chunks came from, each with its size and modification time: what
+    a resume compares to name a file edited since the run started."""
+    used = set(corpus.held_docs) | set(corpus.calib_docs) | set(corpus.test_docs)
+    paths = {d.path for d in list_documents(ccfg, Counter()) if d.ident in used and d.path}
+    if ccfg.source == CorpusSource.jsonl:
+        paths.add(Path(ccfg.path).expanduser())
+    out = {}
+    for path in sorted(str(p) for p in paths):
+        try:
+            st = Path(path).stat()
+            out[path] = [st.st_size, st.st_mtime_ns]
+        except OSError:
+            out[path] = [-1, -1]
+    return out
+
+
+def changed_files(recorded: dict[str, list[int]], now: dict[str, list[int]]) -> list[str]:
+    """The files whose size or modification time differ between two :func:`source_files`."""
+    return [path for path, stat in recorded.items() if now.get(path) != stat]

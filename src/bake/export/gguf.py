@@ -184,8 +184,11 @@ def write(
     root = llamacpp.source_root()
     quantize = llamacpp.need("llama-quantize") if kind in KQUANTS else None
     cfg = json.loads((model_dir / "config.json").read_text())
+    check_weights(model_dir)
     out.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(prefix=".gguf-", dir=out.parent) as scratch_name:
+    remove_stale_scratch(out.parent)
+    prefix = f"{SCRATCH}{os.getpid()}-"
+    with tempfile.TemporaryDirectory(prefix=prefix, dir=out.parent) as scratch_name:
         scratch = Path(scratch_name)
         src = model_dir
         if cfg["bake"]["format"] != "stock":  # links to the files, the converter's config.json
@@ -217,6 +220,56 @@ def write(
     return out
 
 
+SCRATCH = ".gguf-"  # the conversion's scratch folder beside its output: .gguf-<pid>-<random>
+
+
+def remove_stale_scratch(folder: Path) -> None:
+    """Scratch folders of conversions whose process is gone (killed: nothing removed them)."""
+    import shutil
+
+    for scratch in folder.glob(f"{SCRATCH}*"):
+        pid = scratch.name[len(SCRATCH) :].split("-", 1)[0]
+        if scratch.is_dir() and not (pid.isdigit() and _alive(int(pid))):
+            shutil.rmtree(scratch, ignore_errors=True)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def check_weights(model_dir: Path) -> None:
+    """The export's weight file is whole: its header parses and its tensors' bytes are all
+    there (a truncated copy would fail inside the converter with a fragment of a traceback)."""
+    import struct
+
+    path = model_dir / "model.safetensors"
+    try:
+        with open(path, "rb") as fh:
+            (size,) = struct.unpack("<Q", fh.read(8))
+            header = json.loads(fh.read(size))
+        end = max(
+            (v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0
+        )
+        whole = path.stat().st_size >= 8 + size + end
+    except (OSError, ValueError, KeyError, TypeError, struct.error) as exc:
+        raise BakeError(
+            f"{path}: not a readable safetensors file ({type(exc).__name__}); the export is "
+            f"damaged: bake the run again, or copy its model/ again"
+        ) from None
+    if not whole:
+        raise BakeError(
+            f"{path}: truncated ({path.stat().st_size} bytes, its header says "
+            f"{8 + size + end}); the export is damaged: bake the run again, or copy its model/ "
+            f"again"
+        )
+
+
 def _run(cmd: list[str], env: dict, what: str) -> None:
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
@@ -244,6 +297,13 @@ def for_run(mcfg, cache, run_dir: Path, kind: str, out: Path) -> dict:
     }
 
 
+def _source_refusal(run_cfg) -> str | None:
+    """Why llama.cpp cannot run any export of the run's model (``model=tiny``), if so."""
+    from bake.models.sources import source_for
+
+    return source_for(run_cfg.model, run_cfg.paths.cache).llama_cpp_refusal()
+
+
 def main(argv: list[str] | None = None) -> int:
     """``python -m bake.gguf <run dir> --type q8_0``: a finished run's model as a GGUF file."""
     from omegaconf import OmegaConf
@@ -262,11 +322,14 @@ def main(argv: list[str] | None = None) -> int:
             raise BakeError(f"{args.run}: not a finished bake run (no model/ or config.yaml)")
         if out.exists():
             raise BakeError(f"{out} exists; bake never overwrites a file: pass --out")
+        run_cfg = OmegaConf.load(args.run / "config.yaml")
         found = artifact_problems(args.run / "model", args.type)
+        refusal = _source_refusal(run_cfg)
+        if refusal:
+            found.insert(0, f"{args.run}: {refusal}")
         if found:
             print("bake.gguf: " + "\n  ".join(found), file=sys.stderr)
             return 2
-        run_cfg = OmegaConf.load(args.run / "config.yaml")
         info = for_run(run_cfg.model, run_cfg.paths.cache, args.run, args.type, out)
     except BakeError as exc:
         print(f"bake.gguf: {exc}", file=sys.stderr)

@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bake.errors import BakeError
+from bake.errors import BakeError, resume_arg
 from bake.export import model as writer
 from bake.export.artifact import measure
 from bake.export.card import write_card
@@ -95,7 +95,7 @@ def run(ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict]) ->
         raise BakeError(
             f"export: writing the artifact into {ctx.run_dir} failed ({reason}); nothing "
             f"half-written was left there: fix the cause (free space, permissions) and "
-            f"continue with resume={ctx.run_dir}"
+            f"continue with {resume_arg(ctx.run_dir)}"
         ) from None
 
 

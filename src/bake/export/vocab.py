@@ -214,6 +214,20 @@ def trimmed_json(tok_json: dict, trim: Trim) -> dict:
     return out
 
 
+def gguf_problem(tokenizer: PreTrainedTokenizerBase, trim: Trim, kind: str) -> str | None:
+    """Why the trimmed vocabulary cannot go into a GGUF file (``export.gguf=kind``): llama.cpp
+    refuses a BPE vocabulary without merges, and a trim keeps a merge only where the
+    calibration text uses its result. None when it can."""
+    tok_json = json.loads(tokenizer.backend_tokenizer.to_str())
+    if not _bpe(tok_json).get("merges") or trimmed_json(tok_json, trim)["model"]["merges"]:
+        return None
+    return (
+        f"export.vocab=task with export.gguf={kind}: the trimmed vocabulary keeps none of the "
+        f"tokenizer's merges (the calibration documents use no merged token), and llama.cpp "
+        f"refuses a BPE vocabulary without them; use export.vocab=full, or export.gguf=none"
+    )
+
+
 def remap_ids(cfg: dict, trim: Trim) -> dict:
     """A config dict with its token-id fields renumbered (lists too) and, when it has one, its
     ``vocab_size`` set to the kept count."""

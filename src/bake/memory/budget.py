@@ -14,7 +14,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bake.errors import ConfigError
+from bake.errors import BakeError, ConfigError
 from bake.memory.plan import (
     BASE,
     GIB,
@@ -241,7 +241,7 @@ def check(settings: Settings) -> Plan | None:
     needs: a missing plan must not stop a bake that validation accepted."""
     try:
         plan = make(settings)
-    except (KeyError, ValueError, TypeError, OSError) as exc:
+    except (KeyError, ValueError, TypeError, OSError, BakeError) as exc:
         why = f"{type(exc).__name__}: {exc}"
         log.warning("memory plan: not made (%s); the bake goes on unplanned", why)
         return None

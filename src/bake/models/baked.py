@@ -112,9 +112,18 @@ class LoopedCausalLM(nn.Module):
 
 
 def _load_weights(lm: PreTrainedModel, path: Path, tied: bool) -> None:
+    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
-    state = load_file(path / "model.safetensors")
+    weights = path / "model.safetensors"
+    try:
+        state = load_file(weights)
+    except (OSError, SafetensorError) as exc:  # missing, truncated, not safetensors
+        why = "it is missing" if not weights.exists() else f"{type(exc).__name__}: {exc}"[:200]
+        raise BakeError(
+            f"{path}: model.safetensors cannot be read ({why}); a bake export keeps its weights "
+            f"there: copy the whole model directory again"
+        ) from None
     expected = lm.state_dict()
     problems = []
     for name, tensor in state.items():

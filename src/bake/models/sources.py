@@ -179,10 +179,13 @@ class HfSource(Source):
         from bake.models.shape import from_config, shards
 
         directory = Path(meta.source)
-        family = families.get(meta.model_type, self.setting)
-        reader = "own" if family.read is not None else "transformers"
+        # a model_type bake does not reproduce is refused when the model is loaded (with what
+        # its layers are); planned meanwhile as transformers loads it
+        family = families.find(meta.model_type)
+        reader = "own" if family is not None and family.read is not None else "transformers"
+        sandwich = family is not None and family.sandwich
         cfg = read_config_json(directory)
-        return from_config(cfg, meta, reader, shards(directory), directory, family.sandwich)
+        return from_config(cfg, meta, reader, shards(directory), directory, sandwich)
 
     def load(self) -> Loaded:
         directory = self.directory()
@@ -437,12 +440,18 @@ def check_weights(files: list[Path], expected: set[str], tied: bool, where: str)
     one with random values), and the head is what config.json says: the embedding's when tied
     (a different ``lm_head.weight`` in the files is refused), its own tensor when not. Read
     from the files' headers (and, for a tied head stored anyway, the two tensors)."""
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     where_is: dict[str, Path] = {}
     for path in files:
-        with safe_open(str(path), framework="pt") as fh:
-            where_is |= dict.fromkeys(fh.keys(), path)
+        try:
+            with safe_open(str(path), framework="pt") as fh:
+                where_is |= dict.fromkeys(fh.keys(), path)
+        except (OSError, SafetensorError) as exc:  # truncated, not safetensors at all
+            raise BakeError(
+                f"{where}: the weights in {path.parent} cannot be loaded ({path.name}: "
+                f"{_reason(exc)}); a file may be truncated: copy the checkpoint again"
+            ) from None
     if not tied and HEAD in expected and HEAD not in where_is:
         raise BakeError(
             f"{where}: config.json has an untied head (tie_word_embeddings: false) and the "

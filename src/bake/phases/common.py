@@ -16,7 +16,7 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from bake.errors import TrainingDiverged
+from bake.errors import TrainingDiverged, resume_arg
 
 if TYPE_CHECKING:
     from lightning import LightningModule, Trainer
@@ -119,7 +119,7 @@ class CalibrationSteps(_Mixed):
             raise TrainingDiverged(
                 f"phase {self.phase.upper()}: the loss became {float(loss)} at step "
                 f"{self.global_step}; the checkpoints so far stay: continue with the same "
-                f"overrides plus a lower phase_{self.phase}.lr=... and resume={run_dir} (a "
+                f"overrides plus a lower phase_{self.phase}.lr=... and {resume_arg(run_dir)} (a "
                 f"resume may change the learning rate of a phase that has not finished)"
             )
 

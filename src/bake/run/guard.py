@@ -22,7 +22,7 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from bake.errors import BakeError
+from bake.errors import BakeError, resume_arg
 from bake.ranks import rank_zero
 from bake.run.record import LOCK
 
@@ -44,9 +44,15 @@ def check_new_dir(run_dir: Path, what: str = "hydra.run.dir") -> None:
     if not run_dir.is_dir():
         raise BakeError(f"{what}={run_dir}: exists and is not a directory; pick another")
     entries = sorted(p.name for p in run_dir.iterdir())
+    holder = _holder(run_dir) if LOCK in entries else None
+    if holder is not None:  # two bakes started into one directory at once: this one lost
+        raise BakeError(
+            f"{run_dir} is being written by another bake ({holder}), which is still running; "
+            f"pick another {what}, or wait for it to end"
+        )
     if RECORD in entries:
         raise BakeError(
-            f"{run_dir} already holds a bake; continue it with resume={run_dir}, or pick "
+            f"{run_dir} already holds a bake; continue it with {resume_arg(run_dir)}, or pick "
             f"another {what}"
         )
     if entries:
@@ -63,6 +69,11 @@ def _check_writable(path: Path) -> None:
     probe = path
     while not probe.exists() and probe != probe.parent:
         probe = probe.parent
+    if not probe.is_dir():
+        raise BakeError(
+            f"{probe}: a file, so the run directory {path} cannot be made under it; point "
+            f"paths.outputs (or hydra.run.dir) at a folder"
+        )
     if not os.access(probe, os.W_OK | os.X_OK):
         raise BakeError(
             f"{probe}: not writable, so the run directory {path} cannot be made there; fix the "
@@ -91,7 +102,23 @@ def check_resume(cfg, run_dir: Path) -> None:
         resume_changes(mine, record, str(cfg.resume))
 
 
-def acquire(run_dir: Path) -> None:
+def _holder(run_dir: Path) -> str | None:
+    """Who holds the run directory's lock (its pid and host), or None when nobody does."""
+    path = run_dir / LOCK
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return path.read_text().strip() or "another process"
+    finally:
+        os.close(fd)
+    return None
+
+
+def acquire(run_dir: Path, resuming: bool = False) -> None:
     """Take the run directory's lock for this process; BakeError when another holds it."""
     if not rank_zero() or str(run_dir) in _HELD:
         return
@@ -103,9 +130,10 @@ def acquire(run_dir: Path) -> None:
     except BlockingIOError:
         holder = Path(path).read_text().strip() or "another process"
         os.close(fd)
+        then = "before resuming" if resuming else "or pick another hydra.run.dir"
         raise BakeError(
-            f"{run_dir} is being written by {holder}, which is still running; wait for it to "
-            f"end (or stop it) before resuming"
+            f"{run_dir} is being written by another bake ({holder}), which is still running; "
+            f"wait for it to end (or stop it) {then}"
         ) from None
     os.ftruncate(fd, 0)
     os.write(fd, json.dumps({"pid": os.getpid(), "host": os.uname().nodename}).encode())
@@ -135,7 +163,7 @@ class RunDirGuard(Callback):
         try:
             if config.resume:
                 check_resume(config, run_dir)
-                acquire(run_dir)
+                acquire(run_dir, resuming=True)
                 remove_stale_staging(run_dir)
             else:
                 check_new_dir(run_dir)
@@ -165,7 +193,7 @@ class RunDirGuard(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         """A sweep with failed jobs exits 1, naming them (the others' results stay)."""
-        from bake.tracking.sweep import failures
+        from bake.tracking.failures import failures
 
         failed = failures(getattr(self, "_sweep_dir", Path(str(config.hydra.sweep.dir))))
         if failed:

@@ -15,7 +15,7 @@ import traceback
 from pathlib import Path
 
 from bake.config.validate import validate
-from bake.errors import BakeError, ConfigError, StoreUnavailable
+from bake.errors import BakeError, ConfigError, StoreUnavailable, resume_arg
 from bake.run.record import LOCK
 
 log = logging.getLogger("bake")
@@ -62,7 +62,29 @@ def run_job(cfg) -> float:
         guard.release(run_dir)
 
 
+def _finished(run_dir: Path) -> float | None:
+    """The exported held-out perplexity of a run that already finished (its report written),
+    else None."""
+    import json
+
+    from bake.run.record import RECORD
+
+    try:
+        status = json.loads((run_dir / RECORD).read_text()).get("status")
+        report = json.loads((run_dir / "report.json").read_text())
+        return float(report["perplexity"]["exported"]) if status == "FINISHED" else None
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+
+
 def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
+    done = _finished(run_dir) if cfg.resume else None
+    if done is not None:  # nothing to continue: left as it is, its value to a sweeper
+        print(
+            f"bake: {run_dir} has finished (exported held-out perplexity {done:.4f}); nothing "
+            f"to resume: its files are left as they are"
+        )
+        return done
     try:
         meta = validate(cfg, multirun=multirun)
         from bake.memory import budget
@@ -108,14 +130,14 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         return bake(settings, run_dir, hc, plan, ignored(cfg, overrides, meta))
     except BakeError as exc:
         if isinstance(exc, StoreUnavailable):  # the training so far stays: say how to go on
-            exc = StoreUnavailable(f"{exc}, then continue with resume={run_dir}")
+            exc = StoreUnavailable(f"{exc}, then continue with {resume_arg(run_dir)}")
         print(f"bake: {exc}", file=sys.stderr)
         log.error("%s", exc)
         if multirun:
             return _failed(hc, str(exc))
         sys.exit(1)
     except KeyboardInterrupt:
-        print(f"bake: interrupted; continue with: resume={run_dir}", file=sys.stderr)
+        print(f"bake: interrupted; continue with: {resume_arg(run_dir)}", file=sys.stderr)
         if multirun:
             raise  # Ctrl-C ends the whole sweep, as everywhere else
         sys.exit(130)
@@ -125,7 +147,7 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         where = f" {exc.filename}" if exc.filename else ""
         print(
             f"bake: writing{where} failed ({exc.strerror or exc}); free space or fix the "
-            f"permissions, then continue with resume={run_dir}",
+            f"permissions, then continue with {resume_arg(run_dir)}",
             file=sys.stderr,
         )
         if multirun:
@@ -140,7 +162,7 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
 
 def _failed(hc, reason: str) -> float:
     """A sweep job's failure, recorded for the sweep's exit code; NaN to the sweeper."""
-    from bake.tracking.sweep import record_failure
+    from bake.tracking.failures import record_failure
 
     record_failure(Path(hc.sweep.dir), int(hc.job.num), " ".join(hc.overrides.task), reason)
     return math.nan

@@ -16,6 +16,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bake.errors import BakeError
 from bake.memory import measure
 from bake.phases import structure
 from bake.phases.context import Outcome, RunContext
@@ -112,6 +113,7 @@ def _load(ctx: RunContext) -> None:
     ctx.corpus = _timed(
         ctx, "corpus", load_corpus, s.corpus, tokenizer, ctx.model.tokenizer_key, s.seed, ctx.cache
     )
+    _same_corpus(ctx)
     if s.frozen_bf16:
         from bake.models.frozen import store_bf16
         from bake.models.loader import forget
@@ -139,6 +141,31 @@ def _load(ctx: RunContext) -> None:
     )
 
 
+def _same_corpus(ctx: RunContext) -> None:
+    """A new run records the corpus it trains on; a resume refuses a corpus whose text changed
+    since (its checkpoints were made on the old text), naming the file that was edited."""
+    from bake.corpus.splits import changed_files, source_files
+
+    stages, key = ctx.record.stages, ctx.corpus.content_key
+    if not ctx.settings.resume or "corpus_key" not in stages:
+        if rank_zero():
+            stages["corpus_key"] = key
+            stages["corpus_files"] = source_files(ctx.settings.corpus, ctx.corpus)
+            ctx.record.save()
+        return
+    if stages["corpus_key"] == key:
+        return
+    changed = changed_files(
+        stages.get("corpus_files", {}), source_files(ctx.settings.corpus, ctx.corpus)
+    )
+    what = f"the corpus file {changed[0]}" if changed else "the corpus's text"
+    more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
+    raise BakeError(
+        f"resume={ctx.run_dir}: {what}{more} changed since the run started; its checkpoints "
+        f"were trained on the old text: restore it, or start a new bake"
+    )
+
+
 def _stages(ctx: RunContext) -> float:
     import lightning as L
 
@@ -157,6 +184,8 @@ def _stages(ctx: RunContext) -> float:
         "baseline (full): held-out %.3f (%.4f bits/byte)", backbone, ctx.bpb.get("held", math.nan)
     )
     ctx.tracker.metrics({"final/backbone_ppl": backbone, "final/backbone_test_ppl": backbone_test})
+    if s.export.vocab == "task":  # before any training: what the GGUF file can hold is known
+        ctx.trim = _timed(ctx, "vocab", _vocab, ctx)
     a = s.phase_a
     a_steps = a.steps if a.trains else 0  # Phase B's steps follow Phase A's on one axis
 
@@ -182,8 +211,6 @@ def _stages(ctx: RunContext) -> float:
     ls = _timed(ctx, "least_squares", least_squares.run, ctx, keep, start)
     final = _timed(ctx, "phase_b", train.run, ctx, keep, ls, on_b)
     ctx.mark_done("phase_b")
-    if s.export.vocab == "task":
-        ctx.trim = _timed(ctx, "vocab", _vocab, ctx)
     out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)
     return _finish(ctx, out)
 
@@ -225,6 +252,9 @@ def _vocab(ctx: RunContext) -> Trim:
     e, tok = ctx.settings.export, ctx.model.tokenizer
     counts = vocab.count_tokens(tok, calibration_texts(ctx.settings.corpus, ctx.corpus))
     trim = vocab.plan(tok, counts, e.vocab_min_count)
+    problem = vocab.gguf_problem(tok, trim, e.gguf) if e.gguf != "none" else None
+    if problem:
+        raise BakeError(problem)
     log.info(
         "[V] vocabulary: %d of %d tokens kept (%d used >= %d times in the calibration "
         "documents, %d merge parts; bytes, specials and added tokens)",

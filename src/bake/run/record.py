@@ -12,7 +12,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bake.errors import BakeError
+from bake.errors import BakeError, resume_arg
 from bake.storage.cache import digest
 from bake.storage.files import atomic_write
 
@@ -135,7 +135,7 @@ def open_record(run_dir: Path, config: dict, write: bool = True) -> RunRecord:
     if not resume:
         if path.exists() and write:
             raise BakeError(
-                f"{run_dir} already holds a bake; continue it with resume={run_dir}, or pick "
+                f"{run_dir} already holds a bake; continue it with {resume_arg(run_dir)}, or pick "
                 f"another hydra.run.dir"
             )
         record = RunRecord(str(run_dir), mine, digest(mine))

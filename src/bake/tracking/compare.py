@@ -115,14 +115,22 @@ def _cell(text: str) -> str:
 
 
 def table_columns(rows: list[dict]) -> dict[str, list]:
-    """Column -> values, for MLflow's table artifact (numbers as shown in the table)."""
+    """Column -> values, for MLflow's table artifact: numbers as shown in the table, parameter
+    counts exact (a column of numbers carries no unit: 0.16 would read as 0.16 parameters)."""
     out: dict[str, list] = {}
     for c in COLUMNS:
+        if c.key == "params_after":
+            out[c.header] = [_count(r.get(c.key)) for r in rows]
+            continue
         out[c.header] = [
             r.get(c.key) if c.key in TEXT else _as_number(c.fmt(r.get(c.key))) for r in rows
         ]
     out["run_id"] = [r.get("run_id") or "" for r in rows]
     return out
+
+
+def _count(v):
+    return None if v is None or (isinstance(v, float) and math.isnan(v)) else int(v)
 
 
 def _as_number(text: str):
@@ -187,7 +195,7 @@ def rows_from_dir(sweep_dir: Path, problems: list[str] | None = None) -> list[di
     """One row per job of a sweep, from the files the jobs wrote: its directory, or for a job
     refused before it ran (an invalid config) its line in the sweep's record of failures, in
     job order. A file that cannot be read is left out of its row and named in ``problems``."""
-    from bake.tracking.sweep import failures
+    from bake.tracking.failures import failures
 
     problems = [] if problems is None else problems
     lines, swept = sweep_spec(str(sweep_dir))
@@ -308,7 +316,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sort is not None:
         column(args.sort)  # an unknown column fails before anything is read
-    source, problems = Path(args.source), []
+    source, problems = Path(args.source), list[str]()
     if source.is_dir():
         rows = rows_from_dir(source, problems)
         hint = "no job directories (0/, 1/, ...) there: pass outputs/multirun/<date>/<time>"

@@ -9,6 +9,7 @@ import atexit
 import json
 import logging
 import math
+import shlex
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -114,24 +115,6 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     return params
 
 
-FAILURES = "failed_jobs.jsonl"
-
-
-def record_failure(sweep_dir: Path, job: int, overrides: str, reason: str) -> None:
-    """Append a failed job to its sweep's record (one line each, from any process)."""
-    sweep_dir.mkdir(parents=True, exist_ok=True)
-    line = json.dumps({"job": job, "overrides": overrides, "reason": reason[:500]})
-    with open(sweep_dir / FAILURES, "a") as fh:
-        fh.write(line + "\n")
-
-
-def failures(sweep_dir: Path) -> list[dict]:
-    path = sweep_dir / FAILURES
-    if not path.is_file():
-        return []
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
-
-
 class SweepCallback(Callback):
     """Hydra callback: a parent MLflow run per multirun, and its summary at the end."""
 
@@ -140,18 +123,20 @@ class SweepCallback(Callback):
         self._client: MlflowClient | None = None
         self._sweep_dir: Path | None = None
         self._swept: list[str] = []
+        self._uri: str | None = None
 
     def on_multirun_start(self, config, **kwargs) -> None:
         from bake.tracking.console import quiet_libraries
 
         quiet_libraries()  # before MLflow creates its database and says so
-        if not config.tracking.enabled:
+        if not config.tracking.enabled or config.plan:  # plan=true: every job only prints
             return
         from omegaconf import OmegaConf
 
         tcfg = OmegaConf.create(OmegaConf.to_container(config.tracking, resolve=True))
         self._sweep_dir = Path(config.hydra.sweep.dir)
         self._client = client = client_for(tcfg)
+        self._uri = str(tcfg.uri)
         lines, self._swept = swept_overrides(config.hydra)
         name = run_name(model_label(config), lines, self._swept, prefix="sweep")
         run = client.create_run(
@@ -179,7 +164,7 @@ class SweepCallback(Callback):
         assert self._client is not None and self._sweep_dir is not None  # set with the parent
         parent, self._parent = self._parent, None
         try:
-            summarise(self._client, parent, self._sweep_dir, self._swept)
+            summarise(self._client, parent, self._sweep_dir, self._swept, self._uri)
         finally:
             self._client.set_terminated(parent, status)
 
@@ -190,15 +175,24 @@ def best_row(rows: list[dict]) -> dict | None:
     return min(done, key=lambda r: r["exported_ppl"]) if done else None
 
 
-def summarise(client, parent: str, sweep_dir: Path, swept: list[str]) -> list[dict]:
-    """Print the sweep's table and put it, the best child's metrics and the plot on the parent."""
+def summarise(
+    client, parent: str, sweep_dir: Path, swept: list[str], uri: str | None = None
+) -> list[dict]:
+    """Print the sweep's table (and how to see it again: the compare command and, with the
+    store's ``uri``, the MLflow UI's), and put it, the best child's metrics and the plot on the
+    parent."""
     from bake.tracking.compare import child_runs, format_table, row_from_run
+    from bake.tracking.tracker import ui_hint
 
     runs = child_runs(client, parent)
     rows = [row_from_run(r) for r in runs]
     table = format_table(rows)
     print(f"\nsweep summary ({len(rows)} jobs):\n{table}")
-    print(f"compare again: python -m bake.compare {sweep_dir} --sort exported\n", flush=True)
+    again = f"python -m bake.compare {shlex.quote(str(sweep_dir))} --sort exported"
+    hint = ui_hint(uri) if uri else []
+    print(
+        "\n".join([f"compare again: {again}", *(line.strip() for line in hint)]) + "\n", flush=True
+    )
     sweep_dir.mkdir(parents=True, exist_ok=True)
     (sweep_dir / "summary.txt").write_text(table + "\n")
     (sweep_dir / "summary.json").write_text(json.dumps(rows, indent=2))

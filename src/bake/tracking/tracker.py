@@ -13,6 +13,7 @@ import logging
 import math
 import numbers
 import os
+import shlex
 import subprocess
 from collections.abc import Mapping
 from contextlib import contextmanager
@@ -211,9 +212,9 @@ def client_for(tcfg) -> MlflowClient:
 
 def _create_store(db: Path) -> None:
     """A new SQLite store at ``db``, its schema made in a temporary file renamed into place."""
-    from mlflow import MlflowClient
-
     import uuid
+
+    from mlflow import MlflowClient
 
     # a name of its own per attempt: MLflow keeps a store (and its engine) per URI
     tmp = db.with_name(f".{db.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.creating")
@@ -273,7 +274,8 @@ def _store_lock(db: Path):
 def experiment_id(client, tcfg) -> str:
     """The experiment's id, created with its artifact location under outputs/ when new, and
     marked as model training (:data:`EXPERIMENT_KIND`)."""
-    return patiently("the experiment", tcfg.uri, _experiment_id, client, tcfg)
+    where = str(getattr(tcfg, "uri", None) or client.tracking_uri)
+    return patiently("the experiment", where, _experiment_id, client, tcfg)
 
 
 def _experiment_id(client, tcfg) -> str:
@@ -301,7 +303,7 @@ def ui_hint(uri: str) -> list[str]:
     if uri.startswith(("http://", "https://")):
         return [f'  MLflow UI            {uri}  (choose "Model training" in its sidebar)']
     return [
-        f"  MLflow UI            mlflow ui --backend-store-uri {uri} --workers 1",
+        f"  MLflow UI            mlflow ui --backend-store-uri {shlex.quote(uri)} --workers 1",
         '                       then open http://127.0.0.1:5000 and choose "Model training"',
     ]
 
