@@ -678,3 +678,99 @@ def test_a_trimmed_vocabulary_a_gguf_file_cannot_hold_is_refused_before_training
     assert len(lines) == 1 and "keeps none of the tokenizer's merges" in lines[0], err[-2000:]
     record = json.loads((last_run(tmp_path / "out") / "bake_run.json").read_text())
     assert "phase_a_logged" not in record["stages"]  # Phase A never ran
+
+
+def test_the_plan_counts_a_large_corpus_file_read_whole(tmp_path):
+    """A single-line corpus file of 60 MB: read whole (its bytes and its text at once), which
+    the plan's load stage now counts (it planned none of it: 601 MiB against 1.19 GB measured
+    for a 200 MB file)."""
+    import dataclasses
+    import random
+
+    from conftest import write_docs
+
+    from bake.corpus.documents import largest
+    from bake.corpus.splits import load_corpus
+    from bake.memory.measure import peak_mb, reset_peak, rss_mb
+    from bake.memory.plan import Knobs, stage_bytes
+    from bake.models.sources import read_meta, read_shape
+    from bake.models.tiny import byte_tokenizer
+    from bake.phases.settings import resolve
+
+    docs = write_docs(tmp_path / "docs", 60)
+    rng = random.Random(0)
+    line = " ".join(rng.choice(["def", "return", "value", "index"]) for _ in range(10000)) + " "
+    (docs / "huge.py").write_text(line * (60_000_000 // len(line)))
+    size = (docs / "huge.py").stat().st_size
+    cfg = compose(
+        ["model=tiny", "corpus=text_files", f"corpus.glob={docs}/*.py", "corpus.chunk_len=64"]
+    )
+    assert largest(cfg.corpus) == size
+    meta = read_meta(cfg.model)
+    shape = read_shape(cfg.model, meta)
+    knobs = Knobs.of(resolve(cfg, meta), shape, "cpu")
+    planned = stage_bytes(shape, dataclasses.replace(knobs, corpus=size))["load"]
+    assert planned - stage_bytes(shape, knobs)["load"] == 2 * size
+    before = rss_mb()
+    reset_peak()
+    load_corpus(cfg.corpus, byte_tokenizer(), "tiny", 0, tmp_path / "cache")
+    measured = (peak_mb() - before) * 2**20
+    assert measured == pytest.approx(2 * size, rel=0.15)  # what the plan adds
+
+
+@pytest.mark.bake
+@pytest.mark.mlflow
+def test_a_bake_interrupted_while_its_store_is_created_resumes(
+    tmp_path, docs_dir, capsys, monkeypatch
+):
+    """Ctrl-C while the first bake creates its MLflow store: exit 130 with the resume command,
+    the record says KILLED, and that resume (on a store created whole this time) finishes."""
+    import json
+
+    import mlflow.store.db.utils as db_utils
+    from conftest import last_run, run_bake, tiny_args
+
+    args = tiny_args(tmp_path, docs_dir, "phase_a=flap", "phase_b.enabled=false")
+    upgrade = db_utils._upgrade_db
+
+    def interrupted(engine):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(db_utils, "_upgrade_db", interrupted)
+    assert run_bake(args) == 130
+    run = last_run(tmp_path)
+    assert f"continue with: resume={run}" in capsys.readouterr().err
+    assert json.loads((run / "bake_run.json").read_text())["status"] == "KILLED"
+    assert not (tmp_path / "mlflow.db").exists()
+    monkeypatch.setattr(db_utils, "_upgrade_db", upgrade)
+    assert run_bake([*args, f"resume={run}"]) == 0
+    assert json.loads((run / "bake_run.json").read_text())["status"] == "FINISHED"
+
+
+@pytest.mark.bake
+@pytest.mark.mlflow
+def test_a_store_locked_before_the_start_ends_failed_in_one_line(
+    tmp_path, docs_dir, capsys, monkeypatch
+):
+    import json
+
+    from conftest import last_run, run_bake, tiny_args
+    from mlflow import MlflowClient
+    from mlflow.exceptions import MlflowException
+
+    import bake.tracking.tracker as tracker
+
+    def locked(self, *args, **kwargs):
+        raise MlflowException("(sqlite3.OperationalError) database is locked")
+
+    tracker.client_for(_tcfg(tmp_path / "mlflow.db"))  # the store exists; another holds it
+    monkeypatch.setattr(tracker, "STORE_WAIT", 0.2)
+    monkeypatch.setattr(MlflowClient, "search_experiments", locked)
+    args = tiny_args(tmp_path, docs_dir, "phase_a=flap", "phase_b.enabled=false")
+    assert run_bake(args) == 1
+    err = capsys.readouterr().err
+    run = last_run(tmp_path)
+    lines = [line for line in err.splitlines() if line.startswith("bake:")]
+    assert len(lines) == 1 and "stayed locked" in lines[0] and "Traceback" not in err
+    assert json.loads((run / "bake_run.json").read_text())["status"] == "FAILED"
+    assert not (run / "report.json").exists()  # nothing was loaded or trained

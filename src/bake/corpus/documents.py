@@ -102,6 +102,7 @@ def rejected_lines(rejected: Counter) -> str:
 def read_document(doc: Document, skipped: Counter, contents: set[str]) -> str | None:
     """The document's text, or None (counted in ``skipped``) when it is not usable text or
     repeats a document read before (the same content never lands in two splits)."""
+    data = None  # a file's bytes: its text's UTF-8 encoding, hashed as they are
     if doc.text is not None:
         text = doc.text
     else:
@@ -119,12 +120,22 @@ def read_document(doc: Document, skipped: Counter, contents: set[str]) -> str | 
         except UnicodeDecodeError:
             skipped["not UTF-8"] += 1
             return None
-    if not text.strip():
+    if not text or text.isspace():  # (strip() would copy a long text)
         skipped["empty"] += 1
         return None
-    digest = hashlib.sha256(text.encode("utf-8", "surrogatepass")).hexdigest()
+    raw = data if data is not None else text.encode("utf-8", "surrogatepass")
+    digest = hashlib.sha256(raw).hexdigest()
     if digest in contents:
         skipped["duplicate content"] += 1
         return None
     contents.add(digest)
     return text
+
+
+def largest(ccfg) -> int:
+    """Bytes a corpus holds at once while it is read, from the file system alone: its largest
+    document file (read whole), or a JSONL file's size (every line's text is kept)."""
+    if CorpusSource(ccfg.source) == CorpusSource.jsonl:
+        return Path(ccfg.path).expanduser().stat().st_size
+    sizes = (d.path.stat().st_size for d in list_documents(ccfg, Counter()) if d.path)
+    return max(sizes, default=0)

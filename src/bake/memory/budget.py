@@ -192,6 +192,17 @@ def measured_base() -> int:
     return BASE if now is None else int(now * MIB) + BASE - IMPORTS
 
 
+def corpus_bytes(settings: Settings) -> int:
+    """The largest document the corpus reads whole (0 when it cannot be listed yet: loading
+    it names the problem)."""
+    from bake.corpus.documents import largest
+
+    try:
+        return largest(settings.corpus)
+    except (BakeError, OSError):
+        return 0
+
+
 def make(settings: Settings) -> Plan:
     """The plan of this bake on its device, with the memory available and what would fit."""
     from bake.models.sources import read_shape
@@ -200,7 +211,7 @@ def make(settings: Settings) -> Plan:
     device = "cuda" if settings.device.type == "cuda" else "cpu"
     knobs = Knobs.of(settings, shape, device)
     if device == "cpu":
-        knobs = dataclasses.replace(knobs, base=measured_base())
+        knobs = dataclasses.replace(knobs, base=measured_base(), corpus=corpus_bytes(settings))
     available, setting = _available(settings, device)
     plan = Plan(device, stage_bytes(shape, knobs), available, setting, loaded=loaded(shape, knobs))
     if device == "cuda":
