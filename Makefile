@@ -37,8 +37,12 @@ lint: $(STAMP)
 llama-cpp: $(STAMP)
 	$(PY) -m bake.llamacpp build
 
+# The suite in WORKERS processes (pytest-xdist), each test file in one of them: its module
+# fixtures are made once, and the two cores are busy through the subprocess-heavy tests.
+WORKERS ?= 2
+
 test: lint llama-cpp
-	$(PY) -m pytest --durations=15 $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(WORKERS) --dist loadfile --durations=15 $(PYTEST_ARGS)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "$(FAST)" --durations=5 $(PYTEST_ARGS)

@@ -248,7 +248,7 @@ def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
     )
     assert typo.returncode != 0 and "phase_a.l1_mult" in typo.stderr
     job = subprocess.run(
-        [PYTHON, "-m", "bake", "model=nanbeige", "--cfg", "job"],
+        [PYTHON, "-m", "bake", "model=nanbeige", "phase_a.l1_mult=2", "--cfg", "job"],
         cwd=REPO,
         env=env,
         capture_output=True,
@@ -257,4 +257,5 @@ def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
     )
     assert job.returncode == 0, job.stderr
     assert "Nanbeige/Nanbeige4.2-3B" in job.stdout and "phase_a:" in job.stdout
+    assert "  l1_mult: 2.0" in job.stdout  # the users' headline command composes
     assert not list((tmp_path / "outputs").glob("runs/*/*"))  # no run directory left behind
