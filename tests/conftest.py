@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal as signal_module
 import sys
 from pathlib import Path
 
@@ -58,15 +59,20 @@ def _library_log_handlers_follow_stderr():
     yield
 
 
-def compose(overrides: list[str] | None = None):
-    """The composed config (Hydra's compose API), as the command line would build it."""
+def compose(overrides: list[str] | None = None, hydra: bool = False):
+    """The composed config (Hydra's compose API), as the command line would build it; with
+    ``hydra``, its ``hydra`` node too."""
     from hydra import compose as hydra_compose
     from hydra import initialize_config_dir
 
     import bake.config  # noqa: F401  (schemas, resolvers)
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
-        return hydra_compose("config", overrides=["paths.outputs=/nonexistent", *(overrides or [])])
+        return hydra_compose(
+            "config",
+            overrides=["paths.outputs=/nonexistent", *(overrides or [])],
+            return_hydra_config=hydra,
+        )
 
 
 def save_phi3(folder: Path) -> Path:
@@ -186,6 +192,43 @@ class InterruptAt:
 
 def interrupt(phase: str, step: int) -> str:
     return f"trainer.callbacks=[{{_target_:conftest.InterruptAt,phase:{phase},step:{step}}}]"
+
+
+class SignalAt:
+    """A Lightning callback that sends its own process a signal once a phase reaches a global
+    step, the first time only (``marker`` records it): SIGUSR2 is what a cluster sends before
+    preempting a submitit job or at its time limit (submitit then requeues it), SIGTERM what
+    ``kill`` sends."""
+
+    def __new__(
+        cls, phase: str, step: int, marker: str, signal: str = "SIGUSR2", job: int | None = None
+    ):
+        from lightning.pytorch.callbacks import Callback
+
+        signum = getattr(signal_module, signal)
+        where = None if job is None else f"{os.sep}{job}{os.sep}checkpoints{os.sep}"
+
+        class _Signal(Callback):
+            def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+                if type(pl_module).__name__ != f"Phase{phase.upper()}":
+                    return
+                if where is not None and where not in str(trainer.default_root_dir) + os.sep:
+                    return  # another job of the sweep
+                if trainer.global_step == step and not Path(marker).exists():
+                    Path(marker).write_text(str(os.getpid()))
+                    os.kill(os.getpid(), signum)
+
+        return _Signal()
+
+
+def signal_at(
+    phase: str, step: int, marker: Path, signal: str = "SIGUSR2", job: int | None = None
+) -> str:
+    """The override that adds :class:`SignalAt` (``job``: only in that job of a sweep)."""
+    spec = f"_target_:conftest.SignalAt,phase:{phase},step:{step},marker:'{marker}',signal:{signal}"
+    if job is not None:
+        spec += f",job:{job}"
+    return f"trainer.callbacks=[{{{spec}}}]"
 
 
 class PoisonAt:

@@ -18,8 +18,11 @@ GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONF)))
 def test_every_yaml_composes(path):
     group = path.parent.relative_to(CONF).as_posix()
-    cfg = compose([f"{group}={path.stem}"])
-    assert cfg[group.split("/")[0]] is not None
+    cfg = compose([f"{group}={path.stem}"], hydra=group.startswith("hydra/"))
+    node = cfg.hydra[group.split("/")[1]] if group.startswith("hydra/") else cfg[group]
+    assert node is not None
+    if group.startswith("hydra/"):  # bake's plugins (hydra_plugins.bake_sweeps)
+        assert node._target_.startswith("hydra_plugins.bake_sweeps.")
 
 
 def test_every_yaml_key_is_commented():
@@ -46,14 +49,31 @@ SCHEMAS = {
 }
 
 
-def _schema(group: str, stated: dict | None = None) -> dict:
-    """The group's schema with its defaults (and ``stated`` merged over them), unresolved
-    (MISSING as ``???``)."""
-    from omegaconf import OmegaConf
+# bake's Hydra plugins: each preset's own schema
+PLUGIN_SCHEMAS = {
+    "hydra/sweeper/bake_search": "bake.sweeps.search.SearchConf",
+    "hydra/launcher/bake_local": "hydra_plugins.bake_sweeps.BakeLocalConf",
+    "hydra/launcher/bake_slurm": "hydra_plugins.bake_sweeps.BakeSlurmConf",
+}
+
+
+def _schema_class(group: str):
+    import importlib
 
     import bake.config.schema as schema
 
-    node = OmegaConf.structured(getattr(schema, SCHEMAS[group]))
+    if group in SCHEMAS:
+        return getattr(schema, SCHEMAS[group])
+    module, _, name = PLUGIN_SCHEMAS[group].rpartition(".")
+    return getattr(importlib.import_module(module), name)
+
+
+def _schema(group: str, stated: dict | None = None) -> dict:
+    """The group's schema with its defaults (and ``stated`` merged over them), unresolved
+    (MISSING as ``???``). ``group``: a config group, or a plugin preset's path."""
+    from omegaconf import OmegaConf
+
+    node = OmegaConf.structured(_schema_class(group))
     if stated:
         node = OmegaConf.merge(node, stated)
     return OmegaConf.to_container(node, resolve=False, enum_to_str=True)
@@ -82,16 +102,19 @@ def _flat(node, prefix: str = "") -> dict:
 def test_every_preset_is_the_schema_plus_the_changes_it_states(path):
     from omegaconf import OmegaConf
 
-    group = path.parent.name
-    schema, stated = _schema(group), _stated(path)
+    group = path.parent.relative_to(CONF).as_posix()
+    plugin = group.startswith("hydra/")
+    schema_of = f"{group}/{path.stem}" if plugin else group
+    schema, stated = _schema(schema_of), _stated(path)
     defaults = _flat(schema)
     for key, value in _flat(stated).items():  # a default is never restated (two sources)
         assert defaults.get(key, "<not in the schema>") != value, (
             f"{path.relative_to(CONF)}: {group}.{key}: {value!r} is the schema's default; a "
             f"preset states only what it changes"
         )
-    expected = _schema(group, stated)
-    composed = compose([f"{group}={path.stem}"])[group]
+    expected = _schema(schema_of, stated)
+    cfg = compose([f"{group}={path.stem}"], hydra=plugin)
+    composed = cfg.hydra[group.split("/")[1]] if plugin else cfg[group]
     assert OmegaConf.to_container(composed, resolve=False, enum_to_str=True) == expected
 
 

@@ -59,6 +59,8 @@ def test_wheel_carries_every_module_and_every_yaml(wheel):
     conf, package = REPO / "conf", REPO / "src" / "bake"
     yamls = {f"bake/conf/{p.relative_to(conf).as_posix()}" for p in conf.rglob("*.yaml")}
     modules = {f"bake/{p.relative_to(package).as_posix()}" for p in package.rglob("*.py")}
+    plugins = REPO / "src" / "hydra_plugins"  # bake's Hydra plugins (the search, the launchers)
+    modules |= {f"hydra_plugins/{p.relative_to(plugins).as_posix()}" for p in plugins.rglob("*.py")}
     assert len(yamls) >= 19 and not yamls - names, sorted(yamls - names)
     assert not modules - names, f"add their packages to pyproject.toml: {sorted(modules - names)}"
     entry = next(n for n in names if n.endswith("entry_points.txt"))
@@ -81,6 +83,12 @@ def test_installed_bake_composes_from_an_unrelated_directory(installed, tmp_path
     done = run_installed(installed, tmp_path, "model=tiny_looped", "--cfg", "job")
     assert done.returncode == 0, done.stderr[-2000:]
     assert yaml.safe_load(done.stdout)["model"]["loops"] == 2
+    # bake's Hydra plugins, found in the installed copy
+    done = run_installed(installed, tmp_path, "hydra/sweeper=bake_search", "--cfg", "hydra")
+    assert done.returncode == 0, done.stderr[-2000:]
+    sweeper = yaml.safe_load(done.stdout)["hydra"]["sweeper"]
+    assert sweeper["_target_"] == "hydra_plugins.bake_sweeps.BakeSearch"
+    assert "phase_b.lr" in sweeper["params"]
     assert not (tmp_path / "outputs").exists()
 
 

@@ -11,12 +11,16 @@ Returns the exported model's held-out perplexity to a sweeper (NaN for a failed 
 
 from __future__ import annotations
 
+import signal
 import sys
+import threading
 
 import hydra
 
 from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
 from bake.config.layout import CONFIG_NAME, conf_dir
+from bake.errors import BakeError
+from bake.tracking import console
 
 CONF_DIR = str(conf_dir())  # the wheel's bake/conf, or the checkout's conf/
 
@@ -63,11 +67,22 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     args = list(sys.argv[1:] if argv is None else argv)
+    from bake.sweeps.directory import LAUNCHED, relaunch
+
+    LAUNCHED.clear()
+    try:
+        again = relaunch(args)  # resume=<a sweep's directory>: the sweep continues
+    except BakeError as exc:
+        print(f"bake: {exc}", file=sys.stderr)
+        return 2
+    if again is not None:
+        args = again
     wrong = _choices(args)
     if wrong:  # Hydra's own error is six lines and exit 1 for what is a configuration error
         print(f"bake: {wrong}", file=sys.stderr)
         return 2
-    saved = sys.argv
+    _plugins()
+    saved, handler = sys.argv, _on_terminate()
     sys.argv = ["bake", *args]
     try:
         _hydra_main()
@@ -75,8 +90,36 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     except KeyboardInterrupt:  # a sweep's Ctrl-C (a single run turns it into exit 130 itself)
-        print("bake: interrupted", file=sys.stderr)
-        return 130
+        from bake.sweeps.directory import continue_command
+        from bake.tracking.sweep import interrupted
+
+        interrupted()  # the sweep's parent run: its summary so far, KILLED
+
+        hint = f"; continue the sweep with: {continue_command(LAUNCHED[0])}" if LAUNCHED else ""
+        print(f"bake: interrupted{hint}", file=sys.stderr)
+        return console.interrupt_code()
     finally:
+        from bake.sweeps.directory import release_launched
+
+        release_launched()
         sys.argv = saved
+        if handler is not None:
+            signal.signal(signal.SIGTERM, handler)
     return 0
+
+
+def _plugins() -> None:
+    """bake's Hydra plugins (hydra/sweeper=bake_search, hydra/launcher=bake_local|bake_slurm)."""
+    try:
+        import hydra_plugins.bake_sweeps as plugins
+    except ImportError:  # a copy of bake without its plugins package: the stock ones remain
+        return
+    plugins.register()
+
+
+def _on_terminate():
+    """SIGTERM unwinds as Ctrl-C does (runs recorded KILLED); the handler it replaces, or None
+    off the main thread."""
+    if threading.current_thread() is not threading.main_thread():
+        return None
+    return signal.signal(signal.SIGTERM, console.terminate)

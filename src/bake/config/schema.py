@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from enum import StrEnum
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from hydra.core.config_store import ConfigStore
@@ -256,6 +257,12 @@ def _run_dir(resume: str | None, default: str) -> str:
     return resume if resume else default
 
 
+def _output_subdir(run_dir: str) -> str | None:
+    """``hydra.output_subdir``: a directory that already holds a bake (a resume, a sweep's job
+    continued) keeps the ``.hydra/`` it was started with; Hydra writes a new one elsewhere."""
+    return None if (Path(run_dir) / "bake_run.json").exists() else ".hydra"
+
+
 def _launch_dir() -> str:
     """The directory bake was launched from (``hydra.runtime.cwd``).
 
@@ -276,8 +283,14 @@ def register() -> None:
     cs.store(name="bake_schema", node=BakeConf)
     for group, node in _GROUPS.items():
         cs.store(group=group, name=f"{group}_schema", node=node)
+    try:  # the schemas of bake's Hydra plugins (hydra/sweeper=bake_search, its launchers)
+        import hydra_plugins.bake_sweeps  # noqa: F401
+    except ImportError:  # a copy of bake without its plugins package
+        pass
     if not OmegaConf.has_resolver("bake_run_dir"):
         OmegaConf.register_new_resolver("bake_run_dir", _run_dir)
+    if not OmegaConf.has_resolver("bake_output_subdir"):
+        OmegaConf.register_new_resolver("bake_output_subdir", _output_subdir)
     if not OmegaConf.has_resolver("bake_launch_dir"):
         OmegaConf.register_new_resolver("bake_launch_dir", _launch_dir)
 

@@ -262,9 +262,6 @@ def _check(
 
 def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path) -> Corpus:
     """Build (or read from the cache) the held-out, calibration and test chunks."""
-    import torch
-    from safetensors.torch import save_file
-
     from bake.storage import cache
 
     skipped: Counter = Counter()  # documents read and left out
@@ -272,10 +269,21 @@ def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path)
     docs = list_documents(ccfg, rejected)
     key = _cache_key(ccfg, docs, tokenizer_key, seed)
     path = Path(cache_dir) / "corpus" / f"{ccfg.name}-{key}.safetensors"
-    corpus = cache.read(path, _read_cached)
-    if corpus is not None:
-        log.info("corpus: cached chunks from %s", path)
-        return corpus
+    with cache.building(path):  # bakes at once build it once
+        corpus = cache.read(path, _read_cached)
+        if corpus is not None:
+            log.info("corpus: cached chunks from %s", path)
+            return corpus
+        return _build(ccfg, docs, tokenizer, seed, key, path, skipped, rejected)
+
+
+def _build(ccfg, docs, tokenizer, seed: int, key: str, path: Path, skipped, rejected) -> Corpus:
+    """Split, chunk and check the corpus, and write it to the cache at ``path``."""
+    import torch
+    from safetensors.torch import save_file
+
+    from bake.storage import cache
+
     held, calib, test, seen = _split(ccfg, docs, tokenizer, seed, skipped)
     _check(ccfg, held, calib, test, skipped, seen, rejected)
     corpus = Corpus(

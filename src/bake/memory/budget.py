@@ -31,6 +31,7 @@ from bake.memory.plan import (
 )
 
 if TYPE_CHECKING:
+    from bake.models.shape import Shape
     from bake.phases.settings import Settings
 
 _MEMINFO = Path("/proc/meminfo")
@@ -44,18 +45,24 @@ class DoesNotFit(ConfigError):
         return f"bake: {self.problems[0]}"
 
 
-def _ram_available() -> int | None:
-    """Free RAM (MemAvailable) plus this process's own resident memory, which the plan's
-    peaks include; None where /proc/meminfo does not exist."""
-    from bake.memory.measure import rss_mb
-
+def free_ram() -> int | None:
+    """The RAM new processes can use (MemAvailable); None where /proc/meminfo does not exist."""
     try:
         for line in _MEMINFO.read_text().splitlines():
             if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024 + int((rss_mb() or 0) * (1 << 20))
+                return int(line.split()[1]) * 1024
     except OSError:
         return None
     return None
+
+
+def _ram_available() -> int | None:
+    """Free RAM plus this process's own resident memory, which the plan's peaks include; None
+    where /proc/meminfo does not exist."""
+    from bake.memory.measure import rss_mb
+
+    free = free_ram()
+    return None if free is None else free + int((rss_mb() or 0) * (1 << 20))
 
 
 def _available(settings: Settings, device: str) -> tuple[int | None, str | None]:
@@ -203,19 +210,30 @@ def corpus_bytes(settings: Settings) -> int:
         return 0
 
 
-def make(settings: Settings) -> Plan:
-    """The plan of this bake on its device, with the memory available and what would fit."""
+def planned(settings: Settings, device: str) -> tuple[Plan, Shape, Knobs]:
+    """The peaks of this bake on ``device`` ("cpu" or "cuda"; on a GPU, the host's too), held
+    against nothing yet: also what a launcher asks a cluster for before the job runs
+    (:mod:`bake.sweeps.launchers`). Returns the plan, the model's shape and the knobs."""
     from bake.models.sources import read_shape
 
     shape = read_shape(settings.model, settings.meta, settings.cache)
-    device = "cuda" if settings.device.type == "cuda" else "cpu"
     knobs = Knobs.of(settings, shape, device)
     if device == "cpu":
         knobs = dataclasses.replace(knobs, base=measured_base(), corpus=corpus_bytes(settings))
-    available, setting = _available(settings, device)
-    plan = Plan(device, stage_bytes(shape, knobs), available, setting, loaded=loaded(shape, knobs))
+    plan = Plan(device, stage_bytes(shape, knobs), None, None, loaded=loaded(shape, knobs))
     if device == "cuda":
-        plan.host, plan.host_available = host_bytes(shape, knobs), _ram_available()
+        plan.host = host_bytes(shape, knobs)
+    return plan, shape, knobs
+
+
+def make(settings: Settings) -> Plan:
+    """The plan of this bake on its device, with the memory available and what would fit."""
+    device = "cuda" if settings.device.type == "cuda" else "cpu"
+    plan, shape, knobs = planned(settings, device)
+    available, setting = _available(settings, device)
+    plan.available, plan.limit_setting = available, setting
+    if device == "cuda":
+        plan.host_available = _ram_available()
     if not plan.fits and available is not None:
         plan.fixes = fixes(shape, knobs, available)
         plan.floor = None if plan.fixes else floor(shape, knobs)

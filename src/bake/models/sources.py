@@ -266,17 +266,26 @@ class GgufSource(Source):
         import transformers
 
         from bake.storage import cache
-        from bake.storage.files import atomic_dir
 
         src, mcfg = self.file(), self.mcfg
         assert self.cache is not None  # paths.cache: always set by the config
         fp = fingerprint(file_id(src), transformers.__version__)
         out = self.cache / "models" / f"{mcfg.name}-{fp}"
-        if cache.verified(out):  # a corrupt copy is reported, removed and converted again
-            return out, False
+        with cache.building(out):  # bakes at once convert it once
+            if cache.verified(out):  # a corrupt copy is reported, removed and converted again
+                return out, False
+            self._convert(src, out)
+        return out, True
+
+    def _convert(self, src: Path, out: Path) -> None:
+        """The GGUF file, dequantized by transformers, saved as fp32 safetensors at ``out``."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from bake.storage import cache
+        from bake.storage.files import atomic_dir
+
+        mcfg = self.mcfg
         log.info("model: converting %s to fp32 safetensors (once; cached in %s)", src.name, out)
         try:
             lm = AutoModelForCausalLM.from_pretrained(
@@ -299,7 +308,6 @@ class GgufSource(Source):
             tokenizer.save_pretrained(tmp)
             (tmp / "bake_source.json").write_text(json.dumps({"source": file_id(src)}))
         cache.seal(out)
-        return out, True
 
     def gguf_file(self) -> Path | None:
         return self.file()

@@ -1,10 +1,11 @@
 """The run directory is the user's until bake owns it: checked before Hydra writes anything.
 
 Hydra creates the run directory and writes ``.hydra/`` and the log file into it before the
-task starts, so the checks live in a Hydra callback that runs first (``on_run_start`` /
-``on_multirun_start``): a new bake goes only into a directory that does not exist or is empty;
-a resume only into a bake's own directory, with compatible settings and no other process
-writing it. A refusal is one line and exit code 1, and nothing was written.
+task starts, so the checks live in a Hydra callback that runs first (``on_run_start``; a
+sweep's directory is checked by :class:`bake.sweeps.directory.SweepGuard`): a new bake goes
+only into a directory that does not exist or is empty; a resume only into a bake's own
+directory, with compatible settings and no other process writing it. A refusal is one line and
+exit code 1, and nothing was written.
 
 The lock is ``<run dir>/.bake.lock``, an flock held by the process that writes the run (DDP
 ranks other than zero, which Lightning relaunches into the same directory, neither check nor
@@ -44,10 +45,10 @@ def check_new_dir(run_dir: Path, what: str = "hydra.run.dir") -> None:
     if not run_dir.is_dir():
         raise BakeError(f"{what}={run_dir}: exists and is not a directory; pick another")
     entries = sorted(p.name for p in run_dir.iterdir())
-    holder = _holder(run_dir) if LOCK in entries else None
-    if holder is not None:  # two bakes started into one directory at once: this one lost
+    other = holder(run_dir) if LOCK in entries else None
+    if other is not None:  # two bakes started into one directory at once: this one lost
         raise BakeError(
-            f"{run_dir} is being written by another bake ({holder}), which is still running; "
+            f"{run_dir} is being written by another bake ({other}), which is still running; "
             f"pick another {what}, or wait for it to end"
         )
     if RECORD in entries:
@@ -102,7 +103,7 @@ def check_resume(cfg, run_dir: Path) -> None:
         resume_changes(mine, record, str(cfg.resume))
 
 
-def _holder(run_dir: Path) -> str | None:
+def holder(run_dir: Path) -> str | None:
     """Who holds the run directory's lock (its pid and host), or None when nobody does."""
     path = run_dir / LOCK
     try:
@@ -128,11 +129,11 @@ def acquire(run_dir: Path, resuming: bool = False) -> None:
     try:
         fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        holder = Path(path).read_text().strip() or "another process"
+        other = Path(path).read_text().strip() or "another process"
         os.close(fd)
         then = "before resuming" if resuming else "or pick another hydra.run.dir"
         raise BakeError(
-            f"{run_dir} is being written by another bake ({holder}), which is still running; "
+            f"{run_dir} is being written by another bake ({other}), which is still running; "
             f"wait for it to end (or stop it) {then}"
         ) from None
     os.ftruncate(fd, 0)
@@ -144,6 +145,17 @@ def release(run_dir: Path) -> None:
     fd = _HELD.pop(str(run_dir), None)
     if fd is not None:
         os.close(fd)
+
+
+def claim_job(cfg, run_dir: Path) -> None:
+    """A sweep job's directory, before its bake starts: a bake there from an earlier launch of
+    the sweep is continued only with its own settings (``cfg.resume`` names it), and the
+    directory is locked for this process."""
+    if cfg.resume:
+        check_resume(cfg, run_dir)
+    acquire(run_dir, resuming=bool(cfg.resume))
+    if cfg.resume:
+        remove_stale_staging(run_dir)
 
 
 def remove_stale_staging(run_dir: Path) -> None:
@@ -172,30 +184,3 @@ class RunDirGuard(Callback):
             refuse(str(exc))
         except Exception as exc:  # Hydra would turn it into a warning and run unguarded
             refuse(f"checking the run directory {run_dir} failed ({type(exc).__name__}: {exc})")
-
-    def on_multirun_start(self, config, **kwargs) -> None:
-        t = config.trainer
-        if str(t.strategy) == "ddp" or t.devices * t.num_nodes > 1:
-            refuse(
-                f"trainer.strategy={t.strategy} (devices={t.devices}): not inside a sweep (-m), "
-                f"where Lightning would relaunch the whole sweep on every rank; run the jobs one "
-                f"by one, or sweep with a cluster launcher and one device each",
-                code=2,
-            )
-        sweep_dir = Path(str(config.hydra.sweep.dir)).expanduser()
-        self._sweep_dir = sweep_dir
-        try:
-            check_new_dir(sweep_dir, "hydra.sweep.dir")
-        except BakeError as exc:
-            refuse(str(exc))
-        except Exception as exc:  # Hydra would turn it into a warning and run unguarded
-            refuse(f"checking hydra.sweep.dir={sweep_dir} failed ({type(exc).__name__}: {exc})")
-
-    def on_multirun_end(self, config, **kwargs) -> None:
-        """A sweep with failed jobs exits 1, naming them (the others' results stay)."""
-        from bake.tracking.failures import failures
-
-        failed = failures(getattr(self, "_sweep_dir", Path(str(config.hydra.sweep.dir))))
-        if failed:
-            names = "; ".join(f"job {f['job']} ({f['overrides']}): {f['reason']}" for f in failed)
-            refuse(f"{len(failed)} sweep job(s) failed: {names}"[:2000])

@@ -78,11 +78,18 @@ def _finished(run_dir: Path) -> float | None:
 
 
 def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
+    from bake.run.record import RECORD
+
+    if multirun and not cfg.resume and (run_dir / RECORD).is_file():
+        # an earlier launch of this sweep started this job (the sweep continues, or a cluster
+        # requeued the job): continue its bake exactly, as resume=<run dir> does
+        cfg.resume = str(run_dir)
     done = _finished(run_dir) if cfg.resume else None
     if done is not None:  # nothing to continue: left as it is, its value to a sweeper
         print(
             f"bake: {run_dir} has finished (exported held-out perplexity {done:.4f}); nothing "
-            f"to resume: its files are left as they are"
+            f"to resume: its files are left as they are",
+            flush=True,
         )
         return done
     try:
@@ -110,6 +117,15 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             return math.nan
         sys.exit(0)
 
+    if multirun:
+        from bake.run import guard
+
+        try:
+            guard.claim_job(cfg, run_dir)
+        except BakeError as exc:
+            print(f"bake: {exc}", file=sys.stderr)
+            return _failed(hc, str(exc))
+
     from bake.tracking import console
 
     try:
@@ -120,7 +136,7 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         print("bake: interrupted", file=sys.stderr)
         if multirun:
             raise
-        sys.exit(130)
+        sys.exit(console.interrupt_code())
     try:
         from bake.config.unused import ignored
         from bake.run.pipeline import bake
@@ -137,10 +153,10 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             return _failed(hc, str(exc))
         sys.exit(1)
     except KeyboardInterrupt:
-        print(f"bake: interrupted; continue with: {resume_arg(run_dir)}", file=sys.stderr)
         if multirun:
-            raise  # Ctrl-C ends the whole sweep, as everywhere else
-        sys.exit(130)
+            raise  # Ctrl-C ends the whole sweep, as everywhere else; the sweep says how to go on
+        print(f"bake: interrupted; continue with: {resume_arg(run_dir)}", file=sys.stderr)
+        sys.exit(console.interrupt_code())
     except OSError as exc:
         if exc.errno not in _DISK_ERRORS:
             raise

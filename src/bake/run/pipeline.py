@@ -64,7 +64,7 @@ def bake(
         value = _stages(ctx)
         status = "FINISHED"
         return value
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, a cluster preempting the job
         status = "KILLED"
         raise
     except BaseException as exc:

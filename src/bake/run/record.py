@@ -37,6 +37,11 @@ _FREE = (
 _RESUMABLE = {"phase_a.lr": "phase_a", "phase_b.lr": "phase_b", "phase_a.steps": "phase_a"}
 
 
+def free(key: str) -> bool:
+    """True for a setting that does not change what a bake computes (it may differ on resume)."""
+    return key.startswith(_FREE)
+
+
 def flatten(node, prefix: str = "") -> dict[str, object]:
     """A nested dict/list as {dotted.key: leaf}."""
     out: dict[str, object] = {}
@@ -59,8 +64,7 @@ def params_of(config: dict) -> dict[str, object]:
 
 def comparable(config: dict) -> dict[str, object]:
     """The settings of a resolved config that define what a bake computes, flattened."""
-    flat = flatten(config)
-    return {k: v for k, v in flat.items() if not k.startswith(_FREE) and k not in _FREE}
+    return {k: v for k, v in flatten(config).items() if not free(k)}
 
 
 @dataclass

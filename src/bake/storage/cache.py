@@ -3,15 +3,22 @@ atomically with a SHA-256 checksum beside it (``<entry>.sha256``; for a director
 file in it). Read back, an entry whose checksum is missing or wrong, or that its reader cannot
 parse, is reported once as a warning naming it, removed, and rebuilt by the caller: a truncated
 or corrupt file never makes every later bake crash.
+
+Bakes running at once (a sweep's parallel jobs) share the cache: an entry is checked and, when
+missing, built and sealed under its lock (:func:`building`), so it is built once, and never
+read half-sealed nor removed as corrupt while another bake is still writing it.
 """
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
+import os
 import shutil
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import TypeVar
 
@@ -20,6 +27,25 @@ from bake.storage.files import atomic_write
 log = logging.getLogger("bake.cache")
 T = TypeVar("T")
 _CHUNK = 1 << 20
+
+
+@contextmanager
+def building(path: Path) -> Iterator[None]:
+    """Hold the lock of the cache entry ``path`` (``.<name>.lock`` beside it) while it is read
+    or built: a second bake that needs the same entry waits, then reads what the first built.
+    The kernel releases the lock of a process that dies."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd = os.open(path.with_name(f".{path.name}.lock"), os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            log.info("cache: %s is being built by another bake; waiting for it", path)
+            fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # releases the lock
 
 
 def checksum(path: Path) -> str:

@@ -152,6 +152,7 @@ def row_from_run(run) -> dict:
         "run": t.get("mlflow.runName", run.info.run_id),
         "swept": t.get("bake.swept", ""),
         "run_id": run.info.run_id,
+        "job": t.get("bake.job"),
         "status": run.info.status,
         "target": _float(p.get("phase_a.target_sparsity")),
         "pruned": m.get("final/pruned_ratio", NAN),
@@ -172,6 +173,17 @@ def child_runs(client, parent: str) -> list:
     )
 
 
+def latest_per_job(runs: list) -> list:
+    """A sweep's child runs, one per job: a job run again when its sweep continued (a refused
+    job has a new child each launch) shows its latest run. Launch order."""
+    latest: dict[str, object] = {}
+    for run in runs:  # oldest first: a later run of the same job replaces an earlier one
+        job = run.data.tags.get("bake.job") or run.info.run_id
+        latest.pop(job, None)
+        latest[job] = run
+    return list(latest.values())
+
+
 def rows_from_mlflow(uri: str, parent: str) -> list[dict]:
     from mlflow import MlflowClient
 
@@ -188,7 +200,7 @@ def rows_from_mlflow(uri: str, parent: str) -> list[dict]:
             f"bake.compare: {parent}: neither a sweep directory nor a run in {uri}; pass a "
             f"directory under outputs/multirun/, or the parent run id with --uri <tracking uri>"
         ) from None
-    return [row_from_run(r) for r in child_runs(client, parent)]
+    return [row_from_run(r) for r in latest_per_job(child_runs(client, parent))]
 
 
 def rows_from_dir(sweep_dir: Path, problems: list[str] | None = None) -> list[dict]:

@@ -110,6 +110,25 @@ def _is_tty(stream) -> bool:
 
 
 _INTERRUPTED: list[bool] = []
+_SIGNALLED: list[int] = []  # the signal that ended this process's work, when one did
+
+
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (``kill``, a scheduler ending the job): it unwinds as Ctrl-C does, so the run is
+    recorded KILLED in its record and in MLflow, and its checkpoints stay for a resume."""
+
+
+def terminate(signum, frame) -> None:
+    """SIGTERM handler of the command line: raise :class:`Terminated` where the work is."""
+    _SIGNALLED[:] = [signum]
+    raise Terminated
+
+
+def interrupt_code() -> int:
+    """The exit code of an interrupted bake: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)."""
+    import signal
+
+    return 128 + (_SIGNALLED[0] if _SIGNALLED else int(signal.SIGINT))
 
 
 def defer_interrupt(signum, frame) -> None:

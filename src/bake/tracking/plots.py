@@ -197,3 +197,38 @@ def sweep_figure(rows: list[dict], swept: list[str]) -> Figure:
 def sweep_plot(rows: list[dict], swept: list[str], path: Path) -> Path:
     """:func:`sweep_figure`, saved as a PNG."""
     return _save(sweep_figure(rows, swept), path)
+
+
+def search_figure(rows: list[dict]) -> Figure:
+    """An Optuna search: each trial's exported held-out perplexity in trial order, and the best
+    so far as a line (a failed trial is left out and counted in the title)."""
+    plt = _plt()
+    points = [
+        (int(r["job"]) if r.get("job") is not None else i, r["exported_ppl"])
+        for i, r in enumerate(rows)
+        if r["status"] == "FINISHED" and math.isfinite(r["exported_ppl"])
+    ]
+    points.sort()
+    fig, ax = plt.subplots(figsize=(8.4, 4.4), layout="constrained")
+    if points:
+        xs, ys = zip(*points, strict=True)
+        ax.plot(xs, ys, "o", ms=7, mec="white", color="tab:blue", label="trial")
+        best = [min(ys[: i + 1]) for i in range(len(ys))]
+        ax.step(xs, best, where="post", color="tab:orange", label="best so far")
+    backbones = [r["backbone_ppl"] for r in rows if math.isfinite(r.get("backbone_ppl", math.nan))]
+    if backbones:
+        ax.axhline(backbones[0], color="gray", ls="--", label=f"backbone {backbones[0]:.3f}")
+    failed = len(rows) - len(points)
+    title = f"Search: {len(points)} trials" + (f", {failed} failed" if failed else "")
+    ax.set(xlabel="trial", ylabel="exported held-out perplexity", title=title)
+    from matplotlib.ticker import MaxNLocator
+
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    if ax.get_legend_handles_labels()[0]:
+        ax.legend(fontsize=8)
+    return fig
+
+
+def search_plot(rows: list[dict], path: Path) -> Path:
+    """:func:`search_figure`, saved as a PNG."""
+    return _save(search_figure(rows), path)

@@ -26,6 +26,9 @@ if TYPE_CHECKING:
 log = logging.getLogger("bake.sweep")
 
 PARENT_FILE = "mlflow_parent.json"
+SEARCH = "bake_sweeps.BakeSearch"  # hydra.sweeper._target_ of an Optuna search
+SEARCH_PLOT = "search_ppl_by_trial.png"
+_ACTIVE: list[SweepCallback] = []  # the sweeps of this process whose parent is still open
 # The best child's metrics, copied onto the parent so its row in the runs table is filled.
 BEST_METRICS = (
     "final/exported_ppl",
@@ -76,6 +79,8 @@ def open_tracker(settings: Settings, record, hc) -> Tracker:
     }
     if swept:
         tags["bake.swept"] = swept
+    if _multirun(hc):
+        tags["bake.job"] = str(hc.job.num)
     return start_run(settings.tracking, name, tags, params_of(settings.config), _parent_id(hc))
 
 
@@ -85,7 +90,7 @@ def record_failed_job(cfg, hc, error: str) -> None:
         return
     try:
         name, swept = job_name(cfg, hc)
-        tags = {"bake.error": error[:5000], "bake.swept": swept}
+        tags = {"bake.error": error[:5000], "bake.swept": swept, "bake.job": str(hc.job.num)}
         tracker = start_run(cfg.tracking, name, tags, {}, _parent_id(hc))
         tracker.end("FAILED")
     except Exception as exc:  # the sweep goes on regardless
@@ -115,6 +120,13 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     return params
 
 
+def interrupted() -> None:
+    """A sweep cut short (Ctrl-C, SIGTERM): its parent run gets the summary so far and ends
+    KILLED now, not only when the process exits (bake.cli)."""
+    for callback in list(_ACTIVE):
+        callback._finish("KILLED")
+
+
 class SweepCallback(Callback):
     """Hydra callback: a parent MLflow run per multirun, and its summary at the end."""
 
@@ -124,6 +136,7 @@ class SweepCallback(Callback):
         self._sweep_dir: Path | None = None
         self._swept: list[str] = []
         self._uri: str | None = None
+        self._search = False
 
     def on_multirun_start(self, config, **kwargs) -> None:
         from bake.tracking.console import quiet_libraries
@@ -138,6 +151,14 @@ class SweepCallback(Callback):
         self._client = client = client_for(tcfg)
         self._uri = str(tcfg.uri)
         lines, self._swept = swept_overrides(config.hydra)
+        self._search = SEARCH in str(OmegaConf.select(config, "hydra.sweeper._target_"))
+        earlier = _earlier_parent(client, self._sweep_dir)
+        if earlier is not None:  # the sweep continues (bake.sweeps.directory): its parent too
+            client.update_run(earlier, status="RUNNING")
+            self._parent = earlier
+            _ACTIVE.append(self)
+            atexit.register(self._finish, "KILLED")
+            return
         name = run_name(model_label(config), lines, self._swept, prefix="sweep")
         run = client.create_run(
             experiment_id(client, tcfg),
@@ -150,6 +171,7 @@ class SweepCallback(Callback):
             },
         )
         self._parent = run.info.run_id
+        _ACTIVE.append(self)
         Tracker(client, self._parent).params(sweep_params(config, lines, self._swept))
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
         (self._sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": self._parent}))
@@ -159,14 +181,30 @@ class SweepCallback(Callback):
         self._finish("FINISHED")
 
     def _finish(self, status: str) -> None:
+        if self in _ACTIVE:
+            _ACTIVE.remove(self)
         if self._parent is None:
             return
         assert self._client is not None and self._sweep_dir is not None  # set with the parent
         parent, self._parent = self._parent, None
         try:
-            summarise(self._client, parent, self._sweep_dir, self._swept, self._uri)
+            summarise(self._client, parent, self._sweep_dir, self._swept, self._uri, self._search)
         finally:
             self._client.set_terminated(parent, status)
+
+
+def _earlier_parent(client, sweep_dir: Path) -> str | None:
+    """The parent run of an earlier launch of the sweep in ``sweep_dir``, when it has one."""
+    path = sweep_dir / PARENT_FILE
+    if not path.is_file():
+        return None
+    try:
+        run_id = json.loads(path.read_text())["run_id"]
+        client.get_run(run_id)
+    except Exception as exc:  # another store, or the run was deleted: a new parent
+        log.warning("sweep: the earlier parent run of %s is not in this store (%s)", sweep_dir, exc)
+        return None
+    return run_id
 
 
 def best_row(rows: list[dict]) -> dict | None:
@@ -176,15 +214,21 @@ def best_row(rows: list[dict]) -> dict | None:
 
 
 def summarise(
-    client, parent: str, sweep_dir: Path, swept: list[str], uri: str | None = None
+    client,
+    parent: str,
+    sweep_dir: Path,
+    swept: list[str],
+    uri: str | None = None,
+    search: bool = False,
 ) -> list[dict]:
     """Print the sweep's table (and how to see it again: the compare command and, with the
-    store's ``uri``, the MLflow UI's), and put it, the best child's metrics and the plot on the
-    parent."""
-    from bake.tracking.compare import child_runs, format_table, row_from_run
+    store's ``uri``, the MLflow UI's), and put it, the best child's metrics and settings and the
+    plot on the parent. ``search``: the jobs are an Optuna search's trials
+    (``hydra/sweeper=bake_search``)."""
+    from bake.tracking.compare import child_runs, format_table, latest_per_job, row_from_run
     from bake.tracking.tracker import ui_hint
 
-    runs = child_runs(client, parent)
+    runs = latest_per_job(child_runs(client, parent))
     rows = [row_from_run(r) for r in runs]
     table = format_table(rows)
     print(f"\nsweep summary ({len(rows)} jobs):\n{table}")
@@ -201,16 +245,25 @@ def summarise(
     if best is not None:
         metrics = next(r for r in runs if r.info.run_id == best["run_id"]).data.metrics
         tracker.metrics({k: metrics[k] for k in BEST_METRICS if k in metrics})
-        tracker.tags({"bake.best_run": best["run"], "bake.best_run_id": best["run_id"]})
+        tracker.tags(
+            {
+                "bake.best_run": best["run"],
+                "bake.best_run_id": best["run_id"],
+                "bake.best_settings": best["swept"] or "(defaults)",
+            }
+        )
     failed = sum(r["status"] == "FAILED" for r in rows)
     tracker.metrics({"sweep/jobs": len(rows), "sweep/failed": failed})
-    tracker.note(description(rows, best, swept, sweep_dir))
+    tracker.note(description(rows, best, swept, sweep_dir, search))
     _log_table(tracker, rows)
     paths = [sweep_dir / "summary.txt", sweep_dir / "summary.json"]
     try:
-        from bake.tracking.plots import sweep_plot
+        from bake.tracking.plots import search_plot, sweep_plot
 
-        paths.append(sweep_plot(rows, swept, sweep_dir / "sweep_ppl_vs_sparsity.png"))
+        if search:
+            paths.append(search_plot(rows, sweep_dir / SEARCH_PLOT))
+        else:
+            paths.append(sweep_plot(rows, swept, sweep_dir / "sweep_ppl_vs_sparsity.png"))
     except Exception as exc:  # the table matters more than the picture
         log.warning("sweep: the plot could not be drawn (%s)", exc)
     for path in paths:
@@ -227,17 +280,24 @@ def _log_table(tracker: Tracker, rows: list[dict]) -> None:
         log.warning("sweep: the table artifact could not be logged (%s)", exc)
 
 
-def description(rows: list[dict], best: dict | None, swept: list[str], sweep_dir: Path) -> str:
-    """The parent run's description (markdown): what was swept, the best run, the table."""
+def description(
+    rows: list[dict], best: dict | None, swept: list[str], sweep_dir: Path, search: bool = False
+) -> str:
+    """The parent run's description (markdown): what was swept, the best run and its settings,
+    the table."""
     from bake.tracking.compare import markdown_table
 
     keys = ", ".join(f"`{k}`" for k in swept) or "nothing"
     failed = sum(r["status"] == "FAILED" for r in rows)
-    lines = [f"**Sweep over {keys}**: {len(rows)} jobs, {failed} failed."]
+    what, jobs = ("Search", "trials") if search else ("Sweep", "jobs")
+    lines = [f"**{what} over {keys}**: {len(rows)} {jobs}, {failed} failed."]
     if best is not None:
+        job = best.get("job")
+        name = f"{'trial' if search else 'job'} {job}: " if job is not None else ""
+        settings = f" with `{best['swept']}`" if best["swept"] else ""
         lines.append(
-            f"**Best** (lowest exported held-out perplexity among finished jobs): "
-            f"`{best['run']}`, exported {best['exported_ppl']:.3f} at "
+            f"**Best** (lowest exported held-out perplexity among finished {jobs}): "
+            f"{name}`{best['run']}`{settings}, exported {best['exported_ppl']:.3f} at "
             f"{100 * best['pruned']:.2f}% pruned after alignment; the metrics of this run are "
             f"the best run's."
         )

@@ -36,6 +36,7 @@ SIGNIFICANT = 6  # digits of a metric in MLflow: 259.533, 0.175, 8.89412; counts
 # open its runs table (3.17 opens its GenAI view whatever the tag; see the README).
 EXPERIMENT_KIND = {"mlflow.experimentKind": "custom_model_development"}
 NOTE = "mlflow.note.content"  # the run's description in the UI (markdown)
+LOGGED_ARTIFACTS = "mlflow.loggedArtifacts"  # the artifacts the UI shows as tables
 # How long a bake waits for an SQLite store another process holds locked (`mlflow ui` writing,
 # another bake, a backup) before it gives up: long enough for any writer that is only busy, and
 # the bake's checkpoints stay for a resume when it is not.
@@ -143,10 +144,27 @@ class Tracker:
         self.tags({NOTE: markdown})
 
     def table(self, columns: dict[str, list], artifact_file: str) -> None:
-        """A table artifact (JSON, column -> values) that the UI shows as a table."""
-        if self.enabled:
-            log_table = self.client.log_table
-            self._call("table", log_table, self.run_id, data=columns, artifact_file=artifact_file)
+        """A table artifact (JSON, column -> values) that the UI shows as a table. Logged again
+        (a sweep that continues), it replaces the earlier table: MLflow's ``log_table`` would
+        append the rows to it."""
+        if not self.enabled:
+            return
+        import json
+        import tempfile
+
+        names = list(columns)
+        rows = [[_json_value(v) for v in r] for r in zip(*(columns[n] for n in names), strict=True)]
+        with tempfile.TemporaryDirectory() as tmp:
+            path = Path(tmp) / artifact_file
+            path.write_text(json.dumps({"columns": names, "data": rows}))
+            self._call("table", self.client.log_artifact, self.run_id, str(path))
+        logged = self._call("table", self.client.get_run, self.run_id).data.tags.get(
+            LOGGED_ARTIFACTS, "[]"
+        )
+        entries = json.loads(logged)
+        entry = {"path": artifact_file, "type": "table"}  # what the UI's table view reads
+        if entry not in entries:
+            self.tags({LOGGED_ARTIFACTS: json.dumps([*entries, entry])})
 
     def artifact(self, path: Path, subdir: str | None = None) -> None:
         if self.enabled and Path(path).exists():
@@ -156,6 +174,11 @@ class Tracker:
     def end(self, status: str) -> None:
         if self.enabled:
             self._call("the run's end", self.client.set_terminated, self.run_id, status)
+
+
+def _json_value(v):
+    """A table cell as JSON holds it: a non-finite number is null."""
+    return None if isinstance(v, float) and not math.isfinite(v) else v
 
 
 def _now_ms() -> int:

@@ -70,19 +70,20 @@ def cached_stats(stack: Stack, calib: Tensor, path: Path) -> ActivationStats:
         t = load_file(p)
         return ActivationStats(t["total"], t["squares"], int(t["tokens"]))
 
-    stats = cache.read(path, reader)
-    if stats is not None:
+    with cache.building(path):  # bakes at once compute them once
+        stats = cache.read(path, reader)
+        if stats is not None:
+            return stats
+        stats = activation_stats(stack, calib)
+        tensors = {
+            "total": stats.total.contiguous(),
+            "squares": stats.squares.contiguous(),
+            "tokens": torch.tensor(stats.tokens),
+        }
+        with atomic_write(path) as tmp:
+            save_file(tensors, str(tmp))
+        cache.seal(path)
         return stats
-    stats = activation_stats(stack, calib)
-    tensors = {
-        "total": stats.total.contiguous(),
-        "squares": stats.squares.contiguous(),
-        "tokens": torch.tensor(stats.tokens),
-    }
-    with atomic_write(path) as tmp:
-        save_file(tensors, str(tmp))
-    cache.seal(path)
-    return stats
 
 
 def _down_norms(stack: Stack) -> Tensor:

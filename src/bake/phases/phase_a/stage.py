@@ -8,6 +8,7 @@ arithmetic can never be answered from a stale cache.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import pkgutil
 from typing import TYPE_CHECKING
@@ -17,9 +18,11 @@ from bake.phases import phase_a
 from bake.phases.context import Keys
 from bake.phases.phase_a.results import PhaseAResult, Selection
 from bake.ranks import rank_zero
-from bake.storage.cache import code_digest, digest
+from bake.storage.cache import building, code_digest, digest
 
 if TYPE_CHECKING:
+    from pathlib import Path
+
     from bake.phases.common import OnEvaluation
     from bake.phases.context import RunContext
 
@@ -96,6 +99,26 @@ def keys(ctx: RunContext) -> Keys:
     return Keys(phase_a_key(False), phase_a_key(True), digest([*parts, code]))
 
 
+def _trained(ctx: RunContext, method, cache_path: Path, on_evaluation: OnEvaluation):
+    """A trained Phase A's result: from the cache, or trained (and cached when shareable)."""
+    cached = PhaseAResult.load(cache_path)
+    if cached is None:
+        result = method.run(ctx, on_evaluation)
+        if rank_zero() and ctx.shareable("phase_a"):
+            result.save(cache_path)
+        return result
+    only = "only the selection depends on phase_a.target_sparsity"
+    log.info(
+        "Phase A: reusing the cached result %s (trained once for these settings%s)",
+        cache_path,
+        "" if target_in_key(ctx) else f"; {only}",
+    )
+    if not ctx.record.stages.get("phase_a_logged"):
+        for ev in cached.evaluations:
+            on_evaluation(ev)
+    return cached
+
+
 def run(ctx: RunContext, on_evaluation: OnEvaluation) -> tuple[PhaseAResult, Selection]:
     """Phase A's result (trained, cached or a training-free score) and the evaluation selected
     from it."""
@@ -107,22 +130,11 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> tuple[PhaseAResult, Sel
         cache_path = (
             ctx.cache / "phase_a" / f"{ctx.settings.model.name}-{ctx.keys.phase_a}.safetensors"
         )
-        cached = PhaseAResult.load(cache_path)
-        if cached is not None:
-            result = cached
-            only = "only the selection depends on phase_a.target_sparsity"
-            log.info(
-                "Phase A: reusing the cached result %s (trained once for these settings%s)",
-                cache_path,
-                "" if target_in_key(ctx) else f"; {only}",
-            )
-            if not ctx.record.stages.get("phase_a_logged"):
-                for ev in result.evaluations:
-                    on_evaluation(ev)
-        else:
-            result = method.run(ctx, on_evaluation)
-            if rank_zero() and ctx.shareable("phase_a"):
-                result.save(cache_path)
+        # Bakes at once with the same Phase A (a search's trials) train it once; several
+        # devices of one bake train it together, so they take no lock (one could wait forever)
+        alone = ctx.settings.world == 1
+        with building(cache_path) if alone else contextlib.nullcontext():
+            result = _trained(ctx, method, cache_path, on_evaluation)
     if rank_zero():
         ctx.record.stages["phase_a_logged"] = True
         ctx.record.save()
