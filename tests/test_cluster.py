@@ -164,6 +164,8 @@ def test_a_sweep_killed_in_its_second_job_continues_on_its_directory(tmp_path, d
     again, children = sweep_runs(out)
     assert again.info.run_id == parent.info.run_id and again.info.status == "FINISHED"
     assert [r.info.status for r in children] == ["FINISHED", "FINISHED"]
+    table = client(out).download_artifacts(again.info.run_id, "sweep_table.json", str(tmp_path))
+    assert len(json.loads(open(table).read())["data"]) == 2  # replaced, not appended to
     assert json.loads((sweep / "1" / "bake_run.json").read_text())["resumed"] == 1
     # the interrupted job resumed to exactly what it computes uninterrupted
     ref = tiny_args(tmp_path / "ref", docs_dir, "phase_b.steps=16", NO_TRACKING)
@@ -299,7 +301,8 @@ def test_two_first_time_jobs_at_once_share_the_caches_and_the_store(tmp_path, do
             "-m",
             "hydra/launcher=bake_local",
             "hydra.launcher.parallel=2",
-            *tiny_args(out, docs_dir),
+            # Phase A long enough (a few seconds) that both jobs reach it before it ends
+            *tiny_args(out, docs_dir, "phase_a.steps=160", "phase_a.eval_every=40"),
             "phase_b.lr=1e-4,3e-4",
             f"hydra.sweep.dir={sweep}",
         ],

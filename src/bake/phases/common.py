@@ -226,20 +226,6 @@ def _streaming_io():
     return StreamingCheckpointIO()
 
 
-def _interrupts() -> Callback:
-    """A callback that notes what stopped ``fit``: Lightning turns Ctrl-C into SystemExit(1),
-    which :func:`fit` turns back, while a cluster's SystemExit (submitit's requeue) passes."""
-    from lightning.pytorch.callbacks import Callback
-
-    class Interrupts(Callback):
-        stopped_by: BaseException | None = None
-
-        def on_exception(self, trainer, pl_module, exception: BaseException) -> None:
-            self.stopped_by = exception
-
-    return Interrupts()
-
-
 def make_trainer(
     tcfg: TrainerConf,
     phase_dir: Path,
@@ -286,7 +272,7 @@ def make_trainer(
         callbacks.append(_phase_bar(TQDMProgressBar, phase_dir.name.replace("_", " ")))
     for spec in tcfg.callbacks:
         callbacks.append(instantiate(OmegaConf.create(spec) if isinstance(spec, dict) else spec))
-    callbacks += [*(extra_callbacks or []), _interrupts()]
+    callbacks += extra_callbacks or []
     return L.Trainer(
         accelerator=tcfg.accelerator,
         devices=tcfg.devices,
@@ -352,15 +338,12 @@ def fit(trainer: Trainer, module: LightningModule, ckpt: Path | None) -> None:
         verified_checkpoint(ckpt)
         step = torch.load(ckpt, map_location="cpu", weights_only=True, mmap=True)["global_step"]
         log.info("%s: resuming from %s (step %s)", ckpt.parent.name.replace("_", " "), ckpt, step)
-    callbacks = getattr(trainer, "callbacks", [])
-    seen = next((c for c in callbacks if hasattr(c, "stopped_by")), None)
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
     except SystemExit:
-        stopped_by = getattr(seen, "stopped_by", None)
-        if trainer.interrupted and isinstance(stopped_by, KeyboardInterrupt):
-            raise stopped_by from None  # Ctrl-C, or SIGTERM (bake.tracking.console.Terminated)
-        raise  # another SystemExit (a cluster's preemption handler) goes on as it is
+        if trainer.interrupted:
+            raise KeyboardInterrupt from None
+        raise
 
 
 def resume_point(phase_dir: Path) -> Path | None:
