@@ -120,6 +120,7 @@ def _plugins() -> None:
 def _on_terminate():
     """SIGTERM unwinds as Ctrl-C does (runs recorded KILLED); the handler it replaces, or None
     off the main thread."""
+    console.forget_signal()
     if threading.current_thread() is not threading.main_thread():
         return None
     return signal.signal(signal.SIGTERM, console.terminate)

@@ -118,6 +118,11 @@ class Terminated(KeyboardInterrupt):
     recorded KILLED in its record and in MLflow, and its checkpoints stay for a resume."""
 
 
+def forget_signal() -> None:
+    """A new command line of this process starts with no signal received."""
+    _SIGNALLED.clear()
+
+
 def terminate(signum, frame) -> None:
     """SIGTERM handler of the command line: raise :class:`Terminated` where the work is."""
     _SIGNALLED[:] = [signum]
