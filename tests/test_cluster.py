@@ -367,7 +367,17 @@ def test_bake_slurm_asks_for_a_gpu_per_job_and_the_memory_of_the_plan(tmp_path, 
         ret.status, ret.return_value = JobStatus.COMPLETED, math.nan
         return [ret for _ in job_overrides]
 
-    monkeypatch.setattr(submitit_launcher.SlurmLauncher, "launch", launch)
+    # The class Hydra instantiates: its plugin scan may have re-executed submitit's module since
+    # bake's launcher was defined over it, so patch the base class that launcher really has.
+    from hydra.core.plugins import Plugins
+
+    from bake.cli import _plugins
+
+    _plugins()
+    registered = Plugins.instance().class_name_to_class
+    bake_slurm = registered["hydra_plugins.bake_sweeps.BakeSlurmLauncher"]
+    assert bake_slurm.__bases__[0].__qualname__ == submitit_launcher.SlurmLauncher.__qualname__
+    monkeypatch.setattr(bake_slurm.__bases__[0], "launch", launch)
     args = [
         "-m",
         "hydra/launcher=bake_slurm",

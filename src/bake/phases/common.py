@@ -327,7 +327,8 @@ def verified_checkpoint(path: Path) -> Path:
 
 def fit(trainer: Trainer, module: LightningModule, ckpt: Path | None) -> None:
     """``trainer.fit`` that re-raises Ctrl-C as KeyboardInterrupt (Lightning turns it into
-    SystemExit(1) after a graceful shutdown) and lets every other error through."""
+    SystemExit(1) after a graceful shutdown) and lets every other error through, a SystemExit
+    of another's as it is (submitit's requeue exits with the code its controller reads)."""
     import warnings
 
     # The chunk of a step is derived from the step, so a resume mid-epoch is exact: Lightning's
@@ -340,9 +341,9 @@ def fit(trainer: Trainer, module: LightningModule, ckpt: Path | None) -> None:
         log.info("%s: resuming from %s (step %s)", ckpt.parent.name.replace("_", " "), ckpt, step)
     try:
         trainer.fit(module, ckpt_path=str(ckpt) if ckpt else None)
-    except SystemExit:
-        if trainer.interrupted:
-            raise KeyboardInterrupt from None
+    except SystemExit as exc:
+        if isinstance(exc.__context__, KeyboardInterrupt):  # Lightning's exit after Ctrl-C
+            raise exc.__context__ from None
         raise
 
 
