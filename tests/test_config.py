@@ -12,7 +12,8 @@ from hydra.errors import ConfigCompositionException
 from bake.config.validate import validate
 from bake.errors import ConfigError
 
-GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF)
+RECIPES = sorted((CONF / "model_recipe").glob("*.yaml"))  # applied with their model, not chosen
+GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF and p not in RECIPES)
 
 
 @pytest.mark.parametrize("path", GROUP_FILES, ids=lambda p: str(p.relative_to(CONF)))
@@ -116,6 +117,31 @@ def test_every_preset_is_the_schema_plus_the_changes_it_states(path):
     cfg = compose([f"{group}={path.stem}"], hydra=plugin)
     composed = cfg.hydra[group.split("/")[1]] if plugin else cfg[group]
     assert OmegaConf.to_container(composed, resolve=False, enum_to_str=True) == expected
+
+
+@pytest.mark.parametrize("path", RECIPES, ids=lambda p: p.stem)
+def test_a_model_recipe_changes_only_what_no_preset_states(path):
+    """conf/model_recipe/<model>.yaml comes with model=<model>, after the presets: it sets only
+    keys that no preset states (it never replaces what a chosen preset says), each away from
+    the default; a value on the command line wins over it; other models never see it."""
+    from omegaconf import OmegaConf
+
+    assert (CONF / "model" / path.name).is_file(), f"{path.name}: no model preset of that name"
+    stated = _flat(OmegaConf.to_container(OmegaConf.load(path)))
+    presets = {
+        f"{p.parent.name}.{key}"
+        for p in GROUP_FILES
+        if "hydra" not in p.parts
+        for key in _flat(_stated(p))
+    }
+    base, cfg = compose(), compose([f"model={path.stem}"])
+    assert stated
+    for key, value in stated.items():
+        assert key not in presets, f"{path.name}: {key} is stated by a preset too"
+        assert OmegaConf.select(cfg, key) == value != OmegaConf.select(base, key), key
+    key = next(iter(stated))
+    assert OmegaConf.select(compose([f"model={path.stem}", f"{key}=7"]), key) == 7
+    assert OmegaConf.select(compose(["model=tiny"]), key) == OmegaConf.select(base, key)
 
 
 def test_the_default_bake_is_the_schema():

@@ -115,6 +115,8 @@ class ModelConf:
     package: str | None = None  # kind=gguf: the Python package that ships the file ...
     gguf_file: str | None = None  # ... and the file inside it
     assembled: bool = False  # the package ships the file in chunks: assembled once, sha256 checked
+    pieces: list[str] | None = None  # packages each shipping one piece of gguf_file, in order
+    sha256: str | None = None  # with pieces: the sha256 of the file they assemble to (pinned)
     loops: int | None = None  # passes over the stack; null: what the checkpoint says (else 1)
     loop_norm: bool | None = None  # final-norm the stream between passes; null: the checkpoint's
     tiny: TinyConf | None = None  # kind=tiny: the tiny model's shape

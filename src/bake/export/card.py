@@ -30,6 +30,9 @@ def source_of(model: dict) -> str:
         if model.get("path"):
             return f"the GGUF file `{model['path']}`"
         file, package = model.get("gguf_file"), model.get("package")
+        if model.get("pieces"):
+            pieces = ", ".join(f"`{p}`" for p in model["pieces"])
+            return f"the GGUF file `{file}`, assembled from the Python packages {pieces}"
         return f"the GGUF file `{file}` of the Python package `{package}`"
     return f"`{model.get('name_or_path')}`"
 

