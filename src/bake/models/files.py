@@ -187,7 +187,9 @@ def _check_gguf(path: Path, parts: list[Path]) -> None:
         reader = GGUFReader(path)
         end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
     except Exception as exc:  # a header cut short: a piece missing or truncated
-        raise ValueError(f"its header does not read ({type(exc).__name__}: {exc}; {sizes})")
+        raise ValueError(
+            f"its header does not read ({type(exc).__name__}: {exc}; {sizes})"
+        ) from None
     size = path.stat().st_size
     if end != size:
         raise ValueError(
