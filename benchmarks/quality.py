@@ -23,6 +23,7 @@ tables:
 - vocab: the default at 20% with `export.vocab=task` against the same bake with every token
   (`main-default-20`): bits per byte, parameters, forward and greedy generation speed.
 - gemma3: `model=gemma3` at 20% and 30%, its dense row and Wanda-sp with the same repairs.
+- qwen2_5_coder: `model=qwen2_5_coder` (its own default counts) at 20% and 30%, and its dense row.
 - memory: the default at 20% with each setting that cuts memory (Phase B's optimiser, blocks
   of layers repaired in turn, activation checkpointing, bf16 frozen weights): test perplexity
   against the previous default's (Adam, no checkpointing), peak resident memory and its ratio
@@ -181,6 +182,14 @@ def rows() -> dict[str, dict]:
                 "args": ["model=gemma3", *args],
                 "compare": False,
             }
+    for t in (0.0, 0.2, 0.3):  # its own default counts (conf/model_recipe/qwen2_5_coder.yaml)
+        out[f"qwen2_5_coder-{'dense' if t == 0 else 'default'}-{int(100 * t)}"] = {
+            "table": "qwen2_5_coder",
+            "setting": f"model=qwen2_5_coder, {'dense' if t == 0 else 'default'}",
+            "target": t,
+            "args": ["model=qwen2_5_coder"],
+            "compare": False,
+        }
     for table, settings, suffix, compare in (
         ("memory", MEMORY, "", False),  # against the default, not at Wanda-sp's widths
         ("ablation", ABLATION, "-20", True),
@@ -431,6 +440,7 @@ DENSE = {
     "budget": "budget-0",
     "vocab": "main-dense-0",
     "gemma3": "gemma3-dense-0",
+    "qwen2_5_coder": "qwen2_5_coder-dense-0",
 }
 
 
@@ -505,7 +515,7 @@ def tables() -> str:
             f"{'/load':>6} {'peak stage':<14} {'B min':>6} {'min':>6}",
         ]
         out += [memory_line(r, done.get("memory-0")) for r in memory]
-    for table in ("main", "budget", "vocab", "gemma3", "ablation", "corpus"):
+    for table in ("main", "budget", "vocab", "gemma3", "qwen2_5_coder", "ablation", "corpus"):
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
             got.insert(0, done["main-default-20"])  # the default itself, measured once
@@ -519,7 +529,9 @@ def tables() -> str:
 
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
-    p.add_argument("--tables", default="main,budget,vocab,gemma3,memory,ablation,corpus")
+    p.add_argument(
+        "--tables", default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,corpus"
+    )
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")

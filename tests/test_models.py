@@ -335,3 +335,71 @@ def test_embedded_smollm2_loads_from_gguf_and_cache(tmp_path_factory):
         torch.testing.assert_close(second.lm(ids).logits, first.lm(ids).logits)
     saved = json.loads(next((cache / "models").glob("*/config.json")).read_text())
     assert "quantization_config" not in saved
+
+
+# -- a GGUF file shipped in pieces (model.pieces): assembled, checked, or refused ---------------
+def _pieces(tmp_path, monkeypatch, blobs: list[bytes]) -> list[str]:
+    """Installed packages ``piece_<i>`` each holding ``data/part<i>.bin``."""
+    root = tmp_path / "site"
+    names = []
+    for i, blob in enumerate(blobs):
+        pkg = root / f"piece_{i}"
+        (pkg / "data").mkdir(parents=True)
+        (pkg / "__init__.py").write_text("")
+        (pkg / "data" / f"part{i}.bin").write_bytes(blob)
+        names.append(f"piece_{i}")
+    monkeypatch.syspath_prepend(str(root))
+    return names
+
+
+def _small_gguf(path) -> bytes:
+    import gguf
+    import numpy as np
+
+    writer = gguf.GGUFWriter(str(path), "llama")
+    writer.add_block_count(1)
+    for i in range(3):
+        writer.add_tensor(f"t{i}", np.arange(4096, dtype=np.float32) + i)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path.read_bytes()
+
+
+@pytest.mark.parametrize(
+    ("case", "message"),
+    [
+        ("whole", None),
+        ("swapped", "its first piece does not start a GGUF file"),
+        ("truncated", "a piece is missing, truncated or out of order"),
+        ("other sha256", "its sha256 is "),
+    ],
+)
+def test_a_file_in_pieces_is_assembled_only_whole(tmp_path, monkeypatch, case, message):
+    import hashlib
+
+    from bake.models import files
+
+    blob = _small_gguf(tmp_path / "small.gguf")
+    third = len(blob) // 3
+    parts = [blob[:third], blob[third : 2 * third], blob[2 * third :]]
+    if case == "swapped":
+        parts = [parts[1], parts[0], parts[2]]
+    if case == "truncated":
+        parts[2] = parts[2][:-100]
+    sha = hashlib.sha256(blob).hexdigest() if case != "other sha256" else "0" * 64
+    mcfg = OmegaConf.create(
+        {"path": None, "gguf_file": "small.gguf", "pieces": _pieces(tmp_path, monkeypatch, parts)}
+    )
+    mcfg.sha256 = sha
+    cache = tmp_path / "cache"
+    if message is None:
+        path = files.gguf_path(mcfg, cache)
+        assert path.read_bytes() == blob
+        return
+    with pytest.raises(BakeError) as err:
+        files.gguf_path(mcfg, cache)
+    assert message in str(err.value) and "\n" not in str(err.value)
+    assert "model.pieces (piece-0, piece-1, piece-2)" in str(err.value)
+    assert not [p for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")]

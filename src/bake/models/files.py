@@ -188,7 +188,8 @@ def _check_gguf(path: Path, parts: list[Path]) -> None:
         end = max(int(t.data_offset) + int(t.n_bytes) for t in reader.tensors)
     except Exception as exc:  # a header cut short: a piece missing or truncated
         raise ValueError(
-            f"its header does not read ({type(exc).__name__}: {exc}; {sizes})"
+            f"it does not read as GGUF ({type(exc).__name__}: {exc}): a piece is missing, "
+            f"truncated or out of order ({sizes})"
         ) from None
     size = path.stat().st_size
     if end != size:
