@@ -113,7 +113,7 @@ def test_tokenizer_equals_llama_cpp_on_the_original_file(qwen, qwen_cache, tmp_p
 
 # -- the export --------------------------------------------------------------------------------
 SHORT = [  # what the export needs only: FLAP's structure from few chunks, no repair
-    "corpus.calib_chunks=4",
+    "corpus.calib_chunks=12",
     "corpus.held_chunks=2",
     "corpus.test_chunks=6",
     "phase_b.least_squares=false",
@@ -123,7 +123,7 @@ SHORT = [  # what the export needs only: FLAP's structure from few chunks, no re
 
 @pytest.mark.bake
 @pytest.mark.llama_cpp
-def test_the_export_loads_in_transformers_and_runs_in_llama_cpp(qwen_cache, tmp_path):
+def test_the_export_loads_in_transformers_and_runs_in_llama_cpp(qwen, qwen_cache, tmp_path):
     """A uniform export with a task-trimmed vocabulary and a q8_0 GGUF: stock transformers
     computes the report's test perplexity on it; llama.cpp's perplexity is within 2% of
     transformers' on the same windows (the same number of them: the same tokens' count).
@@ -151,7 +151,7 @@ def test_the_export_loads_in_transformers_and_runs_in_llama_cpp(qwen_cache, tmp_
     lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tok = AutoTokenizer.from_pretrained(model_dir)
     assert lm.model.layers[0].self_attn.q_proj.bias is not None
-    texts = _test_texts(run)
+    texts = _test_texts(run, qwen)
     assert len(texts) == 6
     ppl = _stock_ppl(lm, tok, texts)
     assert math.isclose(ppl, rep["perplexity"]["test_exported"], rel_tol=1e-6), (ppl, rep)
@@ -172,15 +172,13 @@ def test_the_export_loads_in_transformers_and_runs_in_llama_cpp(qwen_cache, tmp_
     assert abs(theirs / ref - 1) <= 0.02, (theirs, ref)
 
 
-def _test_texts(run: Path) -> list[str]:
+def _test_texts(run: Path, loaded) -> list[str]:
     """The run's test chunks as text (the source tokenizer's decoding, as the bake scores them)."""
     from omegaconf import OmegaConf
 
     from bake.corpus.splits import load_corpus
-    from bake.models.loader import load_model
 
     cfg = OmegaConf.load(run / "config.yaml")
-    loaded = load_model(cfg.model, Path(cfg.paths.cache))
     tok = loaded.tokenizer
     corpus = load_corpus(cfg.corpus, tok, loaded.tokenizer_key, cfg.seed, Path(cfg.paths.cache))
     assert tok.bos_token_id is None or tok("a").input_ids[0] != tok.bos_token_id  # no BOS
