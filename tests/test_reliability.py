@@ -224,6 +224,7 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_during_collection_is_raised_after_it
     import gc
     import os
     import signal
+    import threading
 
     from bake.memory import measure
 
@@ -234,14 +235,24 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_during_collection_is_raised_after_it
         def __del__(self):
             os.kill(os.getpid(), signal.SIGINT)  # the user presses Ctrl-C now
 
+    def elsewhere():  # a thread that leaves SIGINT unblocked, as Lightning's and MLflow's do
+        stop.wait(30)
+
+    stop = threading.Event()
+    other = threading.Thread(target=elsewhere)
+    other.start()
     before = signal.signal(signal.SIGINT, signal.default_int_handler)  # as a bake runs
+    gc.disable()  # no collection before measure.collect's own
     try:
         gc.collect()
         Finalized()
         with pytest.raises(KeyboardInterrupt):
             measure.collect()
     finally:
+        gc.enable()
         signal.signal(signal.SIGINT, before)
+        stop.set()
+        other.join()
 
 
 # -- the MLflow store: created whole, checked before anything loads, waited for when locked ---

@@ -44,7 +44,9 @@ def collect() -> None:
     """Collect the garbage a finished stage left (a phase's module and trainer hold reference
     cycles) and give its memory back (:func:`trim`), with Ctrl-C held until both are done: a
     Ctrl-C that lands in a finalizer run by the collection (Lightning's ``Profiler.__del__``)
-    would be printed as "Exception ignored" and lost; held, it is raised right after."""
+    would be printed as "Exception ignored" and lost; held, it is raised right after. It is held
+    by a handler that only notes it (blocking the signal would hold it in this thread only, and
+    the kernel hands a process's signal to any thread that does not block it)."""
     import gc
     import signal
     import threading
@@ -53,12 +55,15 @@ def collect() -> None:
         gc.collect()
         trim()
         return
-    held = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    pressed: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda signum, frame: pressed.append(signum))
     try:
         gc.collect()
         trim()
     finally:
-        signal.pthread_sigmask(signal.SIG_SETMASK, held)  # a pending Ctrl-C is raised now
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        signal.raise_signal(signal.SIGINT)  # to the handler that was there: raised now
 
 
 def reset_peak() -> bool:
