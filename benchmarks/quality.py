@@ -29,6 +29,7 @@ tables:
   against the previous default's (Adam, no checkpointing), peak resident memory and its ratio
   to the loaded model, wall time.
 - ablation: the default at 20% (its main row) with one part changed at a time.
+- ls: least squares alone (no Phase B) over 24, 48, 96 and 240 calibration chunks at 20%.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
 """
@@ -98,7 +99,20 @@ ABLATION = {
     "distillation 0.5 in the gradient repair": ["phase_b.distill=0.5"],
     "gradient repair of the last 4 layers only": ["phase_b.all_layers=false"],
     "align after the repairs (reference order)": ["export.align_before_repair=false"],
+    "distillation 1 (KL only) from the backbone": ["phase_b.distill=1"],
+    # the teacher's own 120 steps count: compare with the budget table's 240-step rows
+    "distillation 1 from the dense teacher (+120 teacher steps)": [
+        "phase_b.distill=1",
+        "phase_b.teacher=dense",
+    ],
+    "distillation 0.5 from the dense teacher (+120 teacher steps)": [
+        "phase_b.distill=0.5",
+        "phase_b.teacher=dense",
+    ],
 }
+# Least squares alone (no Phase B) over fewer calibration chunks: its held-out perplexity
+# against phase_b.ls_chunks (the default 240), the curve the default's count follows from.
+LS_CHUNKS = (24, 48, 96, 240)
 
 
 def default_method() -> str:
@@ -188,6 +202,14 @@ def rows() -> dict[str, dict]:
             "setting": f"model=qwen2_5_coder, {'dense' if t == 0 else 'default'}",
             "target": t,
             "args": ["model=qwen2_5_coder"],
+            "compare": False,
+        }
+    for n in LS_CHUNKS:
+        out[f"ls-{n}-20"] = {
+            "table": "ls",
+            "setting": f"least squares over {n} chunks, no Phase B",
+            "target": 0.2,
+            "args": ["phase_b.enabled=false", f"phase_b.ls_chunks={n}"],
             "compare": False,
         }
     for table, settings, suffix, compare in (
@@ -515,6 +537,17 @@ def tables() -> str:
             f"{'/load':>6} {'peak stage':<14} {'B min':>6} {'min':>6}",
         ]
         out += [memory_line(r, done.get("memory-0")) for r in memory]
+    ls = [done[f"ls-{n}-20"] for n in LS_CHUNKS if f"ls-{n}-20" in done]
+    if ls:
+        out += ["", "[ls]", f"{'chunks':>6} {'held LS':>8} {'masked':>8} {'test':>8} {'LS s':>7}"]
+        for r in ls:
+            rep = r["report"]
+            ppl = rep["perplexity"]
+            out.append(
+                f"{rep['config']['phase_b']['ls_chunks']:>6} {ppl['least_squares']:>8.3f} "
+                f"{ppl['masked']:>8.3f} {ppl['test_exported']:>8.3f} "
+                f"{rep['seconds'].get('least_squares', math.nan):>7.1f}"
+            )
     for table in ("main", "budget", "vocab", "gemma3", "qwen2_5_coder", "ablation", "corpus"):
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
@@ -530,7 +563,7 @@ def tables() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--tables", default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,corpus"
+        "--tables", default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,corpus,ls"
     )
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))

@@ -153,3 +153,18 @@ def test_a_changed_mask_arithmetic_is_never_answered_from_the_cache(tmp_path, do
     masks_py = copy / "src" / "bake" / "phases" / "masks.py"
     masks_py.write_text(masks_py.read_text() + "\n# a changed line of the arithmetic's module\n")
     assert "reusing the cached result" not in run(copy / "src")
+
+
+def test_the_dense_teachers_key_covers_every_module_that_computes_it():
+    from bake.phases.phase_b.teacher import TEACHER_CODE
+
+    seen, todo = set(), ["bake.phases.phase_b.teacher"]
+    while todo:
+        module = todo.pop()
+        if module in seen or module in NOT_COMPUTING:
+            continue
+        seen.add(module)
+        todo += sorted(_bake_imports(module) - {"bake"})
+    packages = {"bake.phases", "bake.phases.phase_b", "bake.models", "bake.config"}
+    assert seen <= set(TEACHER_CODE) | packages, sorted(seen - set(TEACHER_CODE))
+    assert {"bake.phases.phase_b.module", "bake.phases.phase_b.adafactor"} <= seen  # found by the walk

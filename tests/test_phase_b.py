@@ -76,8 +76,7 @@ def _fit_phase_b(tmp_path, baseline: float, record: list):
 @pytest.mark.parametrize("below", [True, False])
 def test_the_kept_evaluation_is_restored_from_best_ckpt_only_when_strictly_better(tmp_path, below):
     from bake.phases.common import best_state
-    from bake.phases.phase_b.repaired import Repaired
-    from bake.phases.phase_b.train import outcome
+    from bake.phases.phase_b.repaired import Repaired, outcome
 
     record: list = []
     probe = _fit_phase_b(tmp_path / "probe", math.inf, [])
@@ -232,3 +231,73 @@ def test_adafactor_takes_the_same_steps_as_transformers_adafactor():
         for mine, ref in zip(ours, theirs, strict=True):
             assert torch.equal(mine, ref), f"step {t}: {float((mine - ref).abs().max())}"
     assert not torch.equal(ours[0], start[0])
+
+
+def _plain_lm(stack, ffn: dict, gates=None):
+    """A copy of the stock model with ``ffn``'s weights in its MLPs and each virtual layer's
+    gate folded into its ``down_proj`` columns (gating the input of down_proj), its attention
+    output detached (the recipe: attention is frozen and carries no gradient): stock
+    transformers computes it, not bake's Stack."""
+    import copy
+
+    lm = copy.deepcopy(stack.lm)
+
+    def detached(forward):
+        def run(*args, **kwargs):
+            out = forward(*args, **kwargs)
+            return (out[0].detach(), *out[1:])
+
+        return run
+
+    for li, layer in enumerate(lm.model.layers):
+        layer.self_attn.forward = detached(layer.self_attn.forward)
+        wg, wu, wd = ffn[li]
+        mlp = layer.mlp
+        mlp.gate_proj.weight = torch.nn.Parameter(wg.detach().clone())
+        mlp.up_proj.weight = torch.nn.Parameter(wu.detach().clone())
+        col = torch.ones(wd.shape[1], dtype=wd.dtype) if gates is None else gates[li]
+        mlp.down_proj.weight = torch.nn.Parameter((wd.detach() * col[None, :]).clone())
+    return lm
+
+
+@pytest.mark.parametrize("alpha", [1.0, 0.3])
+def test_the_distillation_loss_is_plain_torch_kl_to_the_teacher_ffn(alpha):
+    """(1 - alpha) CE + alpha KL(teacher || student), mean over positions, with the teacher's
+    own FFN weights: value and gradients against stock transformers and torch's kl_div."""
+    import torch.nn.functional as F
+
+    stack = tiny(dtype=torch.float64)
+    g = torch.Generator().manual_seed(3)
+
+    def moved(scale):
+        return {
+            li: tuple(w + scale * torch.randn(w.shape, generator=g, dtype=w.dtype) for w in ws)
+            for li, ws in ((li, stack.ffn_weights(li)) for li in range(stack.num_layers))
+        }
+
+    teacher, student = moved(0.2), moved(0.05)
+    student = {li: tuple(w.clone().requires_grad_(True) for w in ws) for li, ws in student.items()}
+    gates = (torch.rand(stack.num_virtual, stack.inter, generator=g) > 0.3).double()
+    ids = torch.randint(0, 256, (2, 20), generator=g)
+
+    loss = stack.distill_loss(ids, alpha, gates, student, teacher)
+    loss.backward()
+
+    plain_s, plain_t = _plain_lm(stack, student, gates), _plain_lm(stack, teacher)
+    vocab = stack.head.weight.shape[0]
+    log_s = F.log_softmax(plain_s(ids).logits[:, :-1].reshape(-1, vocab), dim=-1)
+    with torch.no_grad():
+        log_t = F.log_softmax(plain_t(ids).logits[:, :-1].reshape(-1, vocab), dim=-1)
+    targets = ids[:, 1:].reshape(-1)
+    kl = F.kl_div(log_s, log_t, log_target=True, reduction="batchmean")
+    expected = (1 - alpha) * F.nll_loss(log_s, targets) + alpha * kl
+    expected.backward()
+    torch.testing.assert_close(loss, expected, rtol=1e-9, atol=1e-10)
+    assert float(kl.detach()) > 1e-3  # the teacher differs from the student: a live KL term
+    for li, layer in enumerate(plain_s.model.layers):
+        wg, wu, wd = student[li]
+        torch.testing.assert_close(wg.grad, layer.mlp.gate_proj.weight.grad, rtol=1e-7, atol=1e-10)
+        torch.testing.assert_close(wu.grad, layer.mlp.up_proj.weight.grad, rtol=1e-7, atol=1e-10)
+        # down_proj's columns are scaled by the gate: d/dW = d/d(W * gate) * gate
+        want = layer.mlp.down_proj.weight.grad * gates[li][None, :]
+        torch.testing.assert_close(wd.grad, want, rtol=1e-7, atol=1e-10)

@@ -72,6 +72,10 @@ def test_other_groups_follow_the_same_rule():
     assert keys == ["phase_b.ls_chunks", "corpus.glob"]
     assert "phase_b.layers" in unused(compose([]))  # all layers by default
     assert "phase_b.layers" not in unused(compose(["phase_b.all_layers=false"]))
+    # the teacher is read only by a distillation
+    off = unused(compose(["phase_b.teacher=dense"]))["phase_b.teacher"]
+    assert off.because == "phase_b.distill=0.0"
+    assert "phase_b.teacher" not in unused(compose(["phase_b.teacher=dense", "phase_b.distill=1"]))
 
 
 @pytest.mark.bake

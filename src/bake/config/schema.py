@@ -170,7 +170,12 @@ class PhaseBConf:
     lr: float = 1e-4  # peak learning rate, cosine to 0; divided by the loops on a looped model
     layers: int = 4  # with all_layers=false: how many of the last physical layers train
     all_layers: bool = True  # train every layer's FFN (the reference: the last `layers`)
-    distill: float = 0.0  # weight of KL(unpruned model || this one) in the loss; 0: none
+    distill: float = 0.0  # weight of KL(teacher || this model) in the loss; 0: none
+    # distill > 0: whose logits the pruned model learns. backbone: the unpruned model; dense:
+    # the equal-budget dense fine-tune (this Phase B with no neuron removed, from the backbone,
+    # cross-entropy only), trained once per settings and cached; or a finished bake's run
+    # directory (its exported FFN; the same backbone, every token)
+    teacher: str = "backbone"
     eval_every: int = 30  # steps between held-out evaluations
     least_squares: bool = True  # closed-form down_proj repair of every layer before Phase B
     ls_chunks: int = 240  # calibration chunks its statistics are gathered over

@@ -37,6 +37,12 @@ def _phase_b_off(cfg) -> str | None:
     return None if cfg.phase_b.enabled else "phase_b.enabled=false"
 
 
+def _no_distill(cfg) -> str | None:
+    if not cfg.phase_b.enabled:
+        return "phase_b.enabled=false"
+    return None if cfg.phase_b.distill > 0 else f"phase_b.distill={cfg.phase_b.distill}"
+
+
 def _layers_off(cfg) -> str | None:
     b = cfg.phase_b
     if not b.enabled:
@@ -100,6 +106,7 @@ RULES: dict[str, tuple[Callable, str]] = {
     "phase_b.lr": (_phase_b_off, "Phase B's learning rate"),
     "phase_b.eval_every": (_phase_b_off, "the steps between Phase B's evaluations"),
     "phase_b.distill": (_phase_b_off, "Phase B's distillation weight"),
+    "phase_b.teacher": (_no_distill, "whose logits Phase B's distillation learns"),
     "phase_b.all_layers": (_phase_b_off, "whether Phase B trains every layer"),
     "phase_b.layers": (_layers_off, "how many of the last layers Phase B trains"),
     "phase_b.optimizer": (_phase_b_off, "Phase B's optimiser"),

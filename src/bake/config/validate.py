@@ -7,6 +7,7 @@ read only its metadata (config.json or the GGUF header).
 
 from __future__ import annotations
 
+import json
 import math
 from pathlib import Path
 
@@ -110,6 +111,10 @@ def _sources(cfg, problems: list[str]) -> None:
         from bake.tracking.tracker import store_problems
 
         problems += store_problems(cfg.tracking)
+    teacher = str(cfg.phase_b.teacher)
+    if teacher not in ("backbone", "dense"):
+        if (problem := teacher_dir_problem(Path(teacher).expanduser())) is not None:
+            problems.append(f"phase_b.teacher={teacher}: {problem}")
     if cfg.resume:
         run = Path(cfg.resume).expanduser()
         if not (run / "bake_run.json").is_file():
@@ -117,6 +122,25 @@ def _sources(cfg, problems: list[str]) -> None:
                 f"resume={cfg.resume}: not a bake run directory (no bake_run.json); pass the "
                 f"directory a bake printed at its start"
             )
+
+
+def teacher_dir_problem(path: Path) -> str | None:
+    """Why ``path`` cannot be ``phase_b.teacher`` (None: it can): not a finished bake, or an
+    export that trimmed the vocabulary (its logits would not be the student's)."""
+    report = path / "report.json"
+    if not report.is_file() or not (path / "model").is_dir():
+        return (
+            "not 'backbone', 'dense' or a finished bake's run directory (no report.json and "
+            "model/ in it); pass the directory a bake printed at its start"
+        )
+    rep = json.loads(report.read_text())
+    mode = (rep.get("vocab") or {}).get("mode", "full")
+    if mode != "full":
+        return (
+            f"its export trimmed the vocabulary (export.vocab={mode}); a teacher's logits must "
+            f"cover every token: use a bake with export.vocab=full"
+        )
+    return None
 
 
 def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:

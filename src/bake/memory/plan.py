@@ -77,6 +77,7 @@ class Knobs:
     b: bool  # Phase B runs
     b_layers: int  # layers Phase B trains
     distill: bool
+    teacher: bool = False  # distillation from FFN weights of its own (phase_b.teacher != backbone)
     optimizer: str = "adam"  # phase_b.optimizer
     block: int = 0  # phase_b.block_layers: layers with gradients and optimiser state at once
     ckpt: bool = False  # trainer.activation_checkpointing
@@ -109,6 +110,7 @@ class Knobs:
             b=b.enabled,
             b_layers=min(shape.layers, int(layers)),
             distill=b.distill > 0,
+            teacher=b.enabled and b.distill > 0 and b.teacher != "backbone",
             optimizer=b.optimizer,
             block=b.block_layers,
             ckpt=settings.checkpointing,
@@ -293,6 +295,9 @@ def stage_bytes(s: Shape, k: Knobs) -> dict[str, int]:
         # Phase B trains the bake's own tensors in place, but for distillation (its teacher)
         state = _train_state(s, k, k.b_layers, k.optimizer, k.block, copies=k.distill)
         b = state + max(_step(s, k, at_once(k.block, k.b_layers)), 16 * h * i, ev)
+        # a teacher of FFN weights (bake.phases.phase_b.teacher) is held through Phase B, at
+        # most every layer's at full width; the dense one trains first with the same state
+        b += 12 * h * i * layers if k.teacher else 0
         out["phase_b"] = compute + carried + ls_downs + b
     exported = 4 * s.params - 12 * h * (i - kk) * layers  # written in fp32
     # the repaired FFN weights: least squares' down_proj, Phase B's copies with distillation

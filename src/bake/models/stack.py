@@ -223,13 +223,19 @@ class Stack:
         return _HeadCrossEntropy.apply(rows, self.head.weight, ids[:, 1:].reshape(-1))
 
     def distill_loss(
-        self, ids: Tensor, alpha: float, gates=None, ffn: FfnOverride | None = None
+        self,
+        ids: Tensor,
+        alpha: float,
+        gates=None,
+        ffn: FfnOverride | None = None,
+        teacher_ffn: FfnOverride | None = None,
     ) -> Tensor:
         """(1 - alpha) * cross-entropy + alpha * KL(teacher || student), per position, mean:
-        the student is this stack with ``gates`` and ``ffn``, the teacher the unpruned
-        backbone on the same chunk (no gradient)."""
+        the student is this stack with ``gates`` and ``ffn``, the teacher this stack with every
+        neuron and ``teacher_ffn`` (None: the unpruned backbone) on the same chunk (no
+        gradient)."""
         with torch.no_grad():
-            teacher = self.hidden(ids)[:, :-1].reshape(-1, self.hidden_size)
+            teacher = self.hidden(ids, None, teacher_ffn)[:, :-1].reshape(-1, self.hidden_size)
         hn = self.hidden(ids, gates, ffn)
         rows = hn[:, :-1].reshape(-1, hn.shape[-1])
         targets = ids[:, 1:].reshape(-1)

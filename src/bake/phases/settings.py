@@ -84,6 +84,7 @@ class PhaseBSettings:
     eval_batch_size: int = 4
     all_layers: bool = False
     distill: float = 0.0
+    teacher: str = "backbone"  # backbone | dense | a run directory (bake.phases.phase_b.teacher)
     baseline: float = float("inf")  # the held-out perplexity an evaluation must beat to be kept
     optimizer: str = "adam"  # adam | adafactor | sgd
     block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
@@ -235,6 +236,7 @@ def resolve(cfg: DictConfig, meta: ModelMeta) -> Settings:
         eval_batch_size=int(t.eval_batch_size),
         all_layers=bool(b.all_layers),
         distill=float(b.distill),
+        teacher=str(b.teacher),
         optimizer=str(b.optimizer),
         block_layers=int(b.block_layers),
         in_place=b.distill == 0,

@@ -9,8 +9,9 @@ Adafactor, factored and without momentum, or SGD with momentum 0.9 instead), glo
 1.0 over all trained tensors, cosine learning rate lr * 0.5 * (1 + cos(pi * s / steps)), divided
 by ``loops`` on a looped model (each physical FFN is visited ``loops`` times per token). Step
 ``s`` trains on calibration chunk ``s % n_calib`` with the next-token loss, or, with ``distill``
-> 0, with (1 - distill) * that loss + distill * KL(unpruned model || this one) on the same
-chunk; attention carries no gradient. The evaluation kept is
+> 0, with (1 - distill) * that loss + distill * KL(teacher || this one) on the same chunk (the
+teacher: the unpruned backbone, or FFN weights over it, :mod:`bake.phases.phase_b.teacher`);
+attention carries no gradient. The evaluation kept is
 :func:`bake.phases.structure.select_repair`'s: the first strict minimum below the perplexity the
 repair started from.
 
@@ -98,8 +99,10 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         identity: Identity,
         on_evaluation: OnEvaluation | None = None,
         base: FfnOverride | None = None,
+        teacher: FfnOverride | None = None,
     ):
         super().__init__()
+        self.teacher = teacher  # the distillation teacher's FFN (None: the backbone's)
         self.stack = stack  # plain object: not a submodule
         self.calib, self.held, self.s, self.identity = calib, held, settings, identity
         self.gates = gates.detach().float()  # binary, no gradient
@@ -156,6 +159,10 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         self.stack.lm.to(self.device)
         self.gates = self.gates.to(self.device)
         self.base = {li: tuple(w.to(self.device) for w in ws) for li, ws in self.base.items()}
+        if self.teacher is not None:
+            self.teacher = {
+                li: tuple(w.to(self.device) for w in ws) for li, ws in self.teacher.items()
+            }
 
     def on_train_start(self) -> None:
         # A resume restores the schedule with the learning rate it was saved with; a resume
@@ -184,7 +191,9 @@ class PhaseB(CalibrationSteps, L.LightningModule):
 
     def model_step(self, ids: Tensor) -> Tensor:
         if self.s.distill > 0:
-            return self.stack.distill_loss(ids, self.s.distill, self.gates, self.overrides())
+            return self.stack.distill_loss(
+                ids, self.s.distill, self.gates, self.overrides(), self.teacher
+            )
         return self.stack.loss(ids, self.gates, self.overrides())
 
     def training_step(self, batch, batch_idx):

@@ -43,3 +43,36 @@ def restore_values(tensors: list, path: Path) -> None:
     with safe_open(str(path), framework="pt") as f:
         for i, t in enumerate(tensors):
             t.copy_(f.get_tensor(f"t.{i}"))
+
+
+def outcome(
+    evaluations: list[dict],
+    kept: int | None,
+    best: dict | None,
+    start: Repaired,
+    layers,
+    copy: bool = True,
+) -> Repaired:
+    """The trained copies of the kept evaluation (best.ckpt) over the weights Phase B started
+    from, or those weights when no evaluation was kept. ``copy=False``: ``best`` holds the
+    trained tensors themselves (an in-place Phase B), taken as they are."""
+    if kept is not None and best is not None:
+        ppl = evaluations[kept]["held_ppl"]
+        params = [
+            best[f"ffn.{i}"].float().clone() if copy else best[f"ffn.{i}"]
+            for i in range(3 * len(layers))
+        ]
+        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
+        note = (
+            f"restored the best copies: held-PPL {ppl:.3f} at step "
+            f"{evaluations[kept]['step']} < {start.ppl:.3f} before Phase B"
+        )
+        ffn = {**(start.ffn or {}), **trained}
+        return Repaired(ffn, ppl, {"improved": True, "note": note})
+    if not evaluations:
+        why = "no evaluation was made"
+    else:
+        best_seen = min((e["held_ppl"] for e in evaluations), default=float("nan"))
+        why = f"best held-PPL {best_seen:.3f} is not below {start.ppl:.3f} before Phase B"
+    note = f"Phase B made no improvement ({why}); the weights before Phase B are used"
+    return Repaired(start.ffn, start.ppl, {"improved": False, "note": note})

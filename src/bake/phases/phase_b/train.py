@@ -17,7 +17,7 @@ import torch
 
 from bake.memory import measure
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
-from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
+from bake.phases.phase_b.repaired import Repaired, outcome, restore_values, save_values
 from bake.ranks import rank_name
 from bake.storage.cache import digest
 
@@ -37,6 +37,9 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     settings = replace(ctx.settings.phase_b, baseline=start.ppl)
     if not settings.enabled:
         return Repaired(start.ffn, start.ppl, {"enabled": False, "note": "phase_b.enabled=false"})
+    from bake.phases.phase_b import teacher as teachers
+
+    teacher = teachers.resolve(ctx)  # the dense one trains (or is read from the cache) here
     gates = keep.visits.float()
     config = ctx.settings.config["phase_b"]
     resumable = {k: v for k, v in config.items() if k != "lr"}  # a resume may lower it
@@ -63,6 +66,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
         Identity(ctx.model.key, key),
         on_evaluation,
         start.ffn,
+        None if teacher is None else teacher.ffn,
     )
     phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
     start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank_name()}.safetensors"
@@ -84,6 +88,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
         "layers": layers,
         "all_layers": settings.all_layers,
         "distill": settings.distill,
+        "teacher": None if teacher is None else teacher.info,
         "optimizer": settings.optimizer,
         "block_layers": settings.block_layers,
         "evaluations": evaluations,
@@ -108,36 +113,3 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     (log.info if out.info["improved"] else log.warning)("[B] %s", out.info["note"])
     out.info = info | out.info
     return out
-
-
-def outcome(
-    evaluations: list[dict],
-    kept: int | None,
-    best: dict | None,
-    start: Repaired,
-    layers,
-    copy: bool = True,
-) -> Repaired:
-    """The trained copies of the kept evaluation (best.ckpt) over the weights Phase B started
-    from, or those weights when no evaluation was kept. ``copy=False``: ``best`` holds the
-    trained tensors themselves (an in-place Phase B), taken as they are."""
-    if kept is not None and best is not None:
-        ppl = evaluations[kept]["held_ppl"]
-        params = [
-            best[f"ffn.{i}"].float().clone() if copy else best[f"ffn.{i}"]
-            for i in range(3 * len(layers))
-        ]
-        trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
-        note = (
-            f"restored the best copies: held-PPL {ppl:.3f} at step "
-            f"{evaluations[kept]['step']} < {start.ppl:.3f} before Phase B"
-        )
-        ffn = {**(start.ffn or {}), **trained}
-        return Repaired(ffn, ppl, {"improved": True, "note": note})
-    if not evaluations:
-        why = "no evaluation was made"
-    else:
-        best_seen = min((e["held_ppl"] for e in evaluations), default=float("nan"))
-        why = f"best held-PPL {best_seen:.3f} is not below {start.ppl:.3f} before Phase B"
-    note = f"Phase B made no improvement ({why}); the weights before Phase B are used"
-    return Repaired(start.ffn, start.ppl, {"improved": False, "note": note})

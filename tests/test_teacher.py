@@ -1,0 +1,73 @@
+"""Phase B's distillation teachers on whole tiny bakes: the dense teacher trained once per
+settings and reused by the next target, a finished bake's export as the teacher, and the
+settings that cannot teach refused before anything loads."""
+
+from __future__ import annotations
+
+import pytest
+from conftest import compose, last_run, report, run_bake, tiny_args
+
+from bake.config.validate import validate
+from bake.errors import ConfigError
+
+DENSE = ["phase_a=flap", "phase_b.distill=1", "phase_b.teacher=dense", "tracking.enabled=false"]
+
+
+@pytest.mark.bake
+def test_the_dense_teacher_trains_once_and_the_next_target_reuses_it(tmp_path, docs_dir):
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE, "phase_a.target_sparsity=0.25")) == 0
+    first = report(last_run(tmp_path))["phase_b"]["teacher"]
+    assert first["kind"] == "dense" and first["reused"] is False
+    assert first["steps"] == 8 and len(first["evaluations"]) == 2
+    # a random tiny model: the dense fine-tune beats it, so its own FFN teaches
+    assert first["improved"] and first["held_ppl"] < first["backbone_ppl"]
+    assert "Phase B: training the dense teacher" in (last_run(tmp_path) / "bake.log").read_text()
+    (cached,) = (tmp_path / "cache" / "teachers").glob("*.safetensors")
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE, "phase_a.target_sparsity=0.5")) == 0
+    second = report(last_run(tmp_path))["phase_b"]["teacher"]
+    assert second["reused"] is True and second["held_ppl"] == first["held_ppl"]
+    log = (last_run(tmp_path) / "bake.log").read_text()
+    assert f"reusing the cached dense teacher {cached}" in log
+    assert "training the dense teacher" not in log
+
+
+@pytest.mark.bake
+def test_the_teacher_changes_what_phase_b_learns(tmp_path, docs_dir):
+    """The same distillation from the backbone and from the dense teacher: different
+    trajectories (the teacher's FFN reaches the loss)."""
+    runs = {}
+    for teacher in ("backbone", "dense"):
+        out = tmp_path / teacher
+        args = [a for a in DENSE if not a.startswith("phase_b.teacher")]
+        assert run_bake(tiny_args(out, docs_dir, *args, f"phase_b.teacher={teacher}")) == 0
+        runs[teacher] = report(last_run(out))["phase_b"]
+    assert runs["backbone"]["teacher"] == {"kind": "backbone"}
+    held = {t: [e["held_ppl"] for e in r["evaluations"]] for t, r in runs.items()}
+    assert held["backbone"] != held["dense"]
+
+
+@pytest.mark.bake
+def test_a_finished_bake_teaches_with_its_exported_ffn(tmp_path, docs_dir):
+    first = tmp_path / "first"
+    assert run_bake(tiny_args(first, docs_dir, "phase_a=flap", "tracking.enabled=false")) == 0
+    run = last_run(first)
+    widths = report(run)["export"]["kept_per_visit"]
+    args = ["phase_a=flap", "phase_b.distill=0.5", f"phase_b.teacher={run}"]
+    assert run_bake(tiny_args(tmp_path / "second", docs_dir, *args, "tracking.enabled=false")) == 0
+    teacher = report(last_run(tmp_path / "second"))["phase_b"]["teacher"]
+    assert teacher["kind"] == "run" and teacher["run"] == str(run)
+    assert teacher["widths"] == widths and max(widths) < 160  # the pruned export's (tiny: 160)
+
+
+def test_a_teacher_that_cannot_teach_is_refused_naming_the_setting(tmp_path):
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["phase_b.distill=1", f"phase_b.teacher={tmp_path}/nowhere"]))
+    assert f"phase_b.teacher={tmp_path}/nowhere: not 'backbone', 'dense' or a finished" in str(
+        err.value
+    )
+    run = tmp_path / "run"
+    (run / "model").mkdir(parents=True)
+    (run / "report.json").write_text('{"vocab": {"mode": "task"}}')
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["phase_b.distill=1", f"phase_b.teacher={run}"]))
+    assert "its export trimmed the vocabulary (export.vocab=task)" in str(err.value)
