@@ -30,6 +30,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bake.errors import BakeError
+from bake.memory import measure
 from bake.models import families
 from bake.models.stack import FfnOverride
 from bake.ranks import rank_zero
@@ -217,8 +218,10 @@ def _train_dense(ctx: RunContext) -> Teacher:
     )
     fit(trainer, module, None)
     evaluations, layers, kept = list(module.evaluations), list(module.layer_ids), module.choice()
-    del module, trainer
+    del module, trainer  # its copies, gradients and optimiser state go back before Phase B's
+    measure.collect()
     out = outcome(evaluations, kept, best_state(phase_dir), Repaired(None, backbone), layers)
+    measure.collect()  # the checkpoint's mapped tensors, read once
     info = {
         "kind": "dense",
         "steps": settings.steps,
