@@ -66,17 +66,24 @@ def _bake_imports(module: str) -> set[str]:
     return visitor.found
 
 
-def test_the_phase_a_key_covers_every_module_that_computes_it():
-    from bake.phases.phase_a import METHODS
-
-    # the stage, and every method it runs (found by name in the registry, not by import)
-    seen, todo = set(), ["bake.phases.phase_a.stage", *METHODS.values()]
+def _computing(start: list[str]) -> set[str]:
+    """``start`` and every bake module they import, transitively, but those that compute
+    nothing a cache holds (NOT_COMPUTING)."""
+    seen, todo = set(), list(start)
     while todo:
         module = todo.pop()
         if module in seen or module in NOT_COMPUTING:
             continue
         seen.add(module)
         todo += sorted(_bake_imports(module) - {"bake"})
+    return seen
+
+
+def test_the_phase_a_key_covers_every_module_that_computes_it():
+    from bake.phases.phase_a import METHODS
+
+    # the stage, and every method it runs (found by name in the registry, not by import)
+    seen = _computing(["bake.phases.phase_a.stage", *METHODS.values()])
     packages = {"bake.phases", "bake.phases.phase_a", "bake.models", "bake.config"}
     assert seen <= set(PHASE_A_CODE) | packages, sorted(seen - set(PHASE_A_CODE))
     found = {"bake.phases.masks", "bake.models.stack", "bake.phases.phase_a.mask"}
@@ -158,13 +165,7 @@ def test_a_changed_mask_arithmetic_is_never_answered_from_the_cache(tmp_path, do
 def test_the_dense_teachers_key_covers_every_module_that_computes_it():
     from bake.phases.phase_b.teacher import TEACHER_CODE
 
-    seen, todo = set(), ["bake.phases.phase_b.teacher"]
-    while todo:
-        module = todo.pop()
-        if module in seen or module in NOT_COMPUTING:
-            continue
-        seen.add(module)
-        todo += sorted(_bake_imports(module) - {"bake"})
+    seen = _computing(["bake.phases.phase_b.teacher"])
     packages = {"bake.phases", "bake.phases.phase_b", "bake.models", "bake.config"}
     assert seen <= set(TEACHER_CODE) | packages, sorted(seen - set(TEACHER_CODE))
     found = {"bake.phases.phase_b.module", "bake.phases.phase_b.adafactor"}

@@ -24,6 +24,7 @@ optimiser state exist for one group at a time.
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 
 import lightning as L
 import torch
@@ -82,6 +83,11 @@ def make_optimizer(name: str, params: list, lr: float) -> torch.optim.Optimizer:
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)
     return torch.optim.Adam(params, lr=lr, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
+
+
+def _moved(ffn: FfnOverride, device: torch.device) -> dict[int, Sequence[Tensor]]:
+    """FFN weights per physical layer on ``device``."""
+    return {li: tuple(w.to(device) for w in ws) for li, ws in ffn.items()}
 
 
 class PhaseB(CalibrationSteps, L.LightningModule):
@@ -158,11 +164,9 @@ class PhaseB(CalibrationSteps, L.LightningModule):
     def on_fit_start(self) -> None:
         self.stack.lm.to(self.device)
         self.gates = self.gates.to(self.device)
-        self.base = {li: tuple(w.to(self.device) for w in ws) for li, ws in self.base.items()}
+        self.base = _moved(self.base, self.device)
         if self.teacher is not None:
-            self.teacher = {
-                li: tuple(w.to(self.device) for w in ws) for li, ws in self.teacher.items()
-            }
+            self.teacher = _moved(self.teacher, self.device)
 
     def on_train_start(self) -> None:
         # A resume restores the schedule with the learning rate it was saved with; a resume

@@ -102,31 +102,26 @@ def _from_run(ctx: RunContext, run: Path) -> Teacher:
             f"phase_b.teacher=dense or backbone"
         )
     family = families.get(stack.lm.config.model_type, "phase_b.teacher")
-    names = {n for f in (run / "model").glob("*.safetensors") for n in _names(f)}
+    found = 0  # tensors in the export's files, for the error below
     ffn: dict[int, tuple] = {}
     for f in sorted((run / "model").glob("*.safetensors")):
         with safe_open(str(f), framework="pt") as sf:
+            names = set(sf.keys())
+            found += len(names)
             for li in range(stack.num_layers):
                 wanted = family.ffn_names(li)
-                if all(n in sf.keys() for n in wanted):
+                if names.issuperset(wanted):
                     ffn[li] = tuple(sf.get_tensor(n).to(ctx.device, torch.float32) for n in wanted)
     missing = [li for li in range(stack.num_layers) if li not in ffn]
     if missing:
         raise BakeError(
             f"phase_b.teacher={run}: its model/ lacks the FFN of layer(s) {missing} "
-            f"({len(names)} tensors found); pass a bake's run directory of the same model"
+            f"({found} tensors found); pass a bake's run directory of the same model"
         )
     widths = [int(ffn[li][0].shape[0]) for li in range(stack.num_layers)]
     log.info("Phase B: the teacher is the export of %s (FFN widths %s)", run, _span(widths))
     test = (rep.get("perplexity") or {}).get("test_exported")
     return Teacher(ffn, {"kind": "run", "run": str(run), "widths": widths, "test_ppl": test})
-
-
-def _names(path: Path) -> list[str]:
-    from safetensors import safe_open
-
-    with safe_open(str(path), framework="pt") as sf:
-        return list(sf.keys())
 
 
 def _span(widths: list[int]) -> str:
