@@ -6,6 +6,8 @@ least-squares repair at the same widths.
     python -m benchmarks.quality                  # every table; resumes row by row
     python -m benchmarks.quality --tables main    # main, budget, ablation, corpus (comma-separated)
     python -m benchmarks.quality --list           # the rows and whether each is done
+    python -m benchmarks.quality --print          # the tables of the rows measured so far
+    python -m benchmarks.quality --judge-again --rows R  # new evaluations of measured rows
 
 Rows are written one JSON each under outputs/bench/quality/ and skipped when present, so an
 interrupted run continues where it stopped (delete a row's JSON to measure it again). The
@@ -29,6 +31,8 @@ tables:
   against the previous default's (Adam, no checkpointing), peak resident memory and its ratio
   to the loaded model, wall time.
 - ablation: the default at 20% (its main row) with one part changed at a time.
+- widths: per-layer widths (``export.uniform_inter=false``) at the uniform export's parameter
+  count, FLAP's neurons and those chosen by reconstruction.
 - ls: least squares alone (no Phase B) over 24, 48, 96 and 240 calibration chunks at 20%.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
@@ -108,6 +112,18 @@ ABLATION = {
     "distillation 0.5 from the dense teacher (+120 teacher steps)": [
         "phase_b.distill=0.5",
         "phase_b.teacher=dense",
+    ],
+    "structure chosen by reconstruction (phase_a=reconstruction)": ["phase_a=reconstruction"],
+}
+# Per-layer widths (export.uniform_inter=false: FLAP's widths, each layer's own) at the uniform
+# export's parameter count: 20.83% pruned, 1216 of 1536 neurons per layer on SmolLM2, so the
+# target is the uniform export's own fraction (the per-layer structure keeps at most as many).
+WIDTHS_TARGET = 0.2083
+WIDTHS = {
+    "FLAP's per-layer widths (export.uniform_inter=false)": ["export.uniform_inter=false"],
+    "per-layer widths, neurons chosen by reconstruction": [
+        "phase_a=reconstruction",
+        "export.uniform_inter=false",
     ],
 }
 # Least squares alone (no Phase B) over fewer calibration chunks: its held-out perplexity
@@ -212,6 +228,20 @@ def rows() -> dict[str, dict]:
             "args": ["phase_b.enabled=false", f"phase_b.ls_chunks={n}"],
             "compare": False,
         }
+    out["ls-reconstruction-240-20"] = {  # the neurons chosen by the error the repair leaves
+        "table": "ls",
+        "setting": "least squares over 240 chunks choosing the neurons, no Phase B",
+        "target": 0.2,
+        "args": ["phase_a=reconstruction", "phase_b.enabled=false"],
+        "compare": False,
+    }
+    for i, (label, args) in enumerate(WIDTHS.items()):
+        out[f"widths-{i}-20"] = {
+            "table": "widths",
+            "setting": label,
+            "target": WIDTHS_TARGET,
+            "args": args,
+        }
     for table, settings, suffix, compare in (
         ("memory", MEMORY, "", False),  # against the default, not at Wanda-sp's widths
         ("ablation", ABLATION, "-20", True),
@@ -245,15 +275,21 @@ def overrides(row: dict) -> list[str]:
     return [*args, f"phase_a.target_sparsity={row['target']}"]
 
 
-def outside_chunks(tokenizer, n: int = 24, chunk_len: int = 256):
-    """Python text outside the task corpus: sources of installed packages (site-packages),
+# Python outside the task corpus, from the sources of installed packages: the set every row is
+# judged on, and a second, different set kept as a check that no choice was tuned on
+# (dependencies of bake's own dependencies: on every machine that installs bake).
+OUTSIDE = ("hydra", "omegaconf", "lightning", "mlflow", "transformers", "safetensors")
+OUTSIDE_CHECK = ("sqlalchemy", "alembic", "flask", "networkx", "sympy", "requests")
+
+
+def outside_chunks(tokenizer, n: int = 24, chunk_len: int = 256, packages=OUTSIDE):
+    """Python text outside the task corpus: sources of installed ``packages`` (site-packages),
     one chunk from each of ``n`` files chosen with a fixed seed."""
     import random
     import site
 
     import torch
 
-    packages = ("hydra", "omegaconf", "lightning", "mlflow", "transformers", "safetensors")
     roots = [Path(p) for p in site.getsitepackages()]
     files = sorted(f for r in roots for pkg in packages for f in (r / pkg).rglob("*.py"))
     random.Random(11).shuffle(files)
@@ -361,15 +397,20 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     exported_outside = (
         math.nan if trimmed else perplexity(*artifact_nll(artifact, outside, 4, "fp32"))
     )
+    check = outside_chunks(model.tokenizer, packages=OUTSIDE_CHECK)
+    exported_check = math.nan if trimmed else perplexity(*artifact_nll(artifact, check, 4, "fp32"))
     del artifact
     stack = model.stack
-    outside_key = ("outside", rep["model"]["key"])
-    if outside_key not in _STATS:  # the unpruned model on that text: the same for every row
-        _STATS[outside_key] = perplexity(*held_nll(stack, outside, None, None, 4, "fp32"))
+    for name, chunks in (("outside", outside), ("check", check)):
+        key = (name, rep["model"]["key"])
+        if key not in _STATS:  # the unpruned model on that text: the same for every row
+            _STATS[key] = perplexity(*held_nll(stack, chunks, None, None, 4, "fp32"))
     extra = {
         "exported_outside": exported_outside,
         "exported_outside_bpb": outside_bits,
-        "backbone_outside": _STATS[outside_key],
+        "backbone_outside": _STATS[("outside", rep["model"]["key"])],
+        "exported_check": exported_check,
+        "backbone_check": _STATS[("check", rep["model"]["key"])],
         "wanda_ls_test": math.nan,
         "wanda_ls_outside": math.nan,
         "torch_threads": torch.get_num_threads(),
@@ -433,13 +474,27 @@ def speed(model_dir: Path, repeats: int = 3) -> dict:
     }
 
 
-def run(names: list[str], cache: Path, adopt: dict[str, Path] | None = None) -> None:
+def run(
+    names: list[str], cache: Path, adopt: dict[str, Path] | None = None, again: bool = False
+) -> None:
+    """Bake (or adopt) each row not measured yet, then judge its artifact. ``again``: judge the
+    measured rows' artifacts again (their run directories), baking nothing: evaluations added
+    since a row was measured."""
     table = rows()
     adopt = adopt or {}
     for name in names:
         path = OUT / f"{name}.json"
-        if path.is_file():
-            print(f"{name}: done ({path})", flush=True)
+        if path.is_file() and again:
+            result = json.loads(path.read_text())
+            if not Path(result["run"]).is_dir():
+                print(f"{name}: its run directory {result['run']} is gone; kept as it was")
+                continue
+            result["extra"] = {**result["extra"], **extra_evaluations(result, cache)}
+            _write(path, result)
+            print(line(result), flush=True)
+            continue
+        if path.is_file() or again:
+            print(f"{name}: {'done' if path.is_file() else 'not measured'} ({path})", flush=True)
             continue
         if name in adopt:
             result = adopt_row(name, table[name], adopt[name])
@@ -448,17 +503,23 @@ def run(names: list[str], cache: Path, adopt: dict[str, Path] | None = None) -> 
             result = bake_row(name, table[name], cache)
         result["extra"] = extra_evaluations(result, cache)
         result["date"] = time.strftime("%Y-%m-%d")
-        OUT.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2, default=str))
-        tmp.replace(path)
+        _write(path, result)
         print(line(result), flush=True)
+
+
+def _write(path: Path, result: dict) -> None:
+    """A row's JSON, whole or not at all."""
+    OUT.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(result, indent=2, default=str))
+    tmp.replace(path)
 
 
 # The dense row each table's costs divide by: the same pipeline and budget, nothing removed.
 DENSE = {
     "main": "main-dense-0",
     "ablation": "main-dense-0",
+    "widths": "main-dense-0",
     "budget": "budget-0",
     "vocab": "main-dense-0",
     "gemma3": "gemma3-dense-0",
@@ -468,17 +529,20 @@ DENSE = {
 
 def line(r: dict, dense: dict | None = None) -> str:
     """One row: exported sparsity, test perplexity and its ratio to the backbone, the cost
-    (test perplexity / the dense row's) on the test split and outside the corpus, test bits per
+    (test perplexity / the dense row's) on the test split, outside the corpus and on the check
+    set outside it (:data:`OUTSIDE_CHECK`), test bits per
     byte, Wanda-sp + least squares at the same widths, wall time, peak memory."""
     rep, ex = r["report"], r["extra"]
     ppl = rep["perplexity"]
     back_test = ppl.get("test_backbone") or math.nan
     pruned, peak = rep["export"]["pruned_ratio"], rep["memory"].get("peak_mb") or math.nan
     bits = (rep.get("bits_per_byte") or {}).get("test_exported") or math.nan
-    cost = cost_out = math.nan
+    cost = cost_out = cost_check = math.nan
+    check = ex.get("exported_check", math.nan)  # rows measured before the check set: none
     if dense is not None:
         cost = ppl["test_exported"] / dense["report"]["perplexity"]["test_exported"]
         cost_out = ex["exported_outside"] / dense["extra"]["exported_outside"]
+        cost_check = check / dense["extra"].get("exported_check", math.nan)
     cells = [
         f"{r['setting']:<48}",
         f"{100 * r['target']:>5.0f}%",
@@ -488,6 +552,8 @@ def line(r: dict, dense: dict | None = None) -> str:
         f"{cost:>6.3f}",
         f"{ex['exported_outside']:>8.3f}",
         f"{cost_out:>6.3f}",
+        f"{check:>8.3f}",
+        f"{cost_check:>6.3f}",
         f"{bits:>7.4f}",
         f"{ex['wanda_ls_test']:>8.3f}",
         f"{ex['wanda_ls_outside']:>8.3f}",
@@ -524,7 +590,8 @@ def tables() -> str:
     done = {p.stem: json.loads(p.read_text()) for p in sorted(OUT.glob("*.json"))}
     head = (
         f"{'setting':<48} {'target':>6} {'pruned':>7} {'test':>8} {'/back':>6} {'cost':>6} "
-        f"{'outside':>8} {'cost':>6} {'bits/B':>7} {'W+LS':>8} {'W+LS out':>8} {'min':>6} "
+        f"{'outside':>8} {'cost':>6} {'check':>8} {'cost':>6} {'bits/B':>7} {'W+LS':>8} "
+        f"{'W+LS out':>8} {'min':>6} "
         f"{'GiB':>5}"
     )
     out = []
@@ -537,18 +604,25 @@ def tables() -> str:
             f"{'/load':>6} {'peak stage':<14} {'B min':>6} {'min':>6}",
         ]
         out += [memory_line(r, done.get("memory-0")) for r in memory]
-    ls = [done[f"ls-{n}-20"] for n in LS_CHUNKS if f"ls-{n}-20" in done]
+    names = [*(f"ls-{n}-20" for n in LS_CHUNKS), "ls-reconstruction-240-20"]
+    ls = [done[n] for n in names if n in done]
     if ls:
-        out += ["", "[ls]", f"{'chunks':>6} {'held LS':>8} {'masked':>8} {'test':>8} {'LS s':>7}"]
+        out += [
+            "",
+            "[ls]",
+            f"{'phase_a':<15} {'chunks':>6} {'held LS':>8} {'masked':>8} {'test':>8} {'LS s':>7}",
+        ]
         for r in ls:
             rep = r["report"]
             ppl = rep["perplexity"]
             out.append(
+                f"{rep['config']['phase_a']['method']:<15} "
                 f"{rep['config']['phase_b']['ls_chunks']:>6} {ppl['least_squares']:>8.3f} "
                 f"{ppl['masked']:>8.3f} {ppl['test_exported']:>8.3f} "
                 f"{rep['seconds'].get('least_squares', math.nan):>7.1f}"
             )
-    for table in ("main", "budget", "vocab", "gemma3", "qwen2_5_coder", "ablation", "corpus"):
+    tables = ("main", "budget", "vocab", "gemma3", "qwen2_5_coder", "ablation", "widths", "corpus")
+    for table in tables:
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
             got.insert(0, done["main-default-20"])  # the default itself, measured once
@@ -563,11 +637,20 @@ def tables() -> str:
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
-        "--tables", default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,corpus,ls"
+        "--tables",
+        default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,widths,corpus,ls",
     )
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")
+    p.add_argument(
+        "--print", action="store_true", help="print the measured rows' tables, bake none"
+    )
+    p.add_argument(
+        "--judge-again",
+        action="store_true",
+        help="judge the measured rows' artifacts again (evaluations added since), bake none",
+    )
     p.add_argument(
         "--adopt",
         action="append",
@@ -585,8 +668,11 @@ def main(argv: list[str] | None = None) -> None:
         for n in names:
             print(f"{n:<28} {'done' if (OUT / f'{n}.json').is_file() else '-'}")
         return
+    if args.print:
+        print(tables())
+        return
     adopt = dict(a.split("=", 1) for a in args.adopt)
-    run(names, Path(args.cache), {k: Path(v) for k, v in adopt.items()})
+    run(names, Path(args.cache), {k: Path(v) for k, v in adopt.items()}, args.judge_again)
     print(tables())
 
 

@@ -308,3 +308,23 @@ def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
     assert "Nanbeige/Nanbeige4.2-3B" in job.stdout and "phase_a:" in job.stdout
     assert "  l1_mult: 2.0" in job.stdout  # the users' headline command composes
     assert not list((tmp_path / "outputs").glob("runs/*/*"))  # no run directory left behind
+
+
+def test_reconstruction_is_refused_where_least_squares_cannot_choose_naming_why():
+    cfg = compose(
+        [
+            "model=tiny",
+            "phase_a=reconstruction",
+            "phase_b.least_squares=false",
+            "export.align_before_repair=false",
+        ]
+    )
+    with pytest.raises(ConfigError) as err:
+        validate(cfg)
+    text = str(err.value)
+    assert "phase_b.least_squares=false: phase_a.method=reconstruction chooses" in text
+    assert "export.align_before_repair=false: phase_a.method=reconstruction chooses" in text
+    with pytest.raises(ConfigError) as err:
+        validate(compose(["model=tiny_looped", "phase_a=reconstruction"]))
+    assert "model.loops=2: phase_a.method=reconstruction chooses" in str(err.value)
+    validate(compose(["model=tiny", "phase_a=reconstruction"]))

@@ -15,11 +15,32 @@ from bake.phases.phase_b import least_squares as repair
 pytestmark = pytest.mark.slow  # seconds per case: the repair and its reference, layer by layer
 
 
-def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float, drift: float = 0.0):
+def greedy_by_resolving(gram, cross, width: int, lam: float) -> list[int]:
+    """Brute-force greedy removal: at each step every remaining neuron is tried out by solving
+    the ridged least squares of the others from scratch; the one whose removal leaves the least
+    error goes. The error, up to the target's constant: -tr(R_K (G_KK + lam I)^-1 R_K^T)."""
+
+    def error(kept: list[int]) -> float:
+        g = gram[kept][:, kept] + lam * torch.eye(len(kept), dtype=gram.dtype)
+        r = cross[:, kept]
+        return -float((r * torch.linalg.solve(g, r.T).T).sum())
+
+    alive = list(range(gram.shape[0]))
+    while len(alive) > width:
+        alive.remove(min(alive, key=lambda j: error([x for x in alive if x != j])))
+    return alive
+
+
+def independent_repair(
+    ref: TinyLlama, calib, keep_visits, ridge: float, drift: float = 0.0, select: bool = False
+):
     """Layer by layer, in order, on the pruned model's own stream: min over the kept columns of
     sum over visits and tokens of ||W'[:, K] (g_v a_K) - t||^2, plus ridge * mean diag, with
     t = W a + drift * (the unpruned stream after the layer - the pruned one after attention -
-    W a): the unpruned model run alongside, from the same embedding."""
+    W a): the unpruned model run alongside, from the same embedding. ``select`` (one loop):
+    each layer's kept set, as wide as ``keep_visits`` says, is chosen first by
+    :func:`greedy_by_resolving` on the whole layer's equations (ridge times the mean diagonal of
+    the full Gram matrix); ``keep_visits`` is rewritten with the choice."""
     n = ref.layers
     h = ref.w["model.embed_tokens.weight"][calib]
     h_o = h.clone()
@@ -36,10 +57,17 @@ def independent_repair(ref: TinyLlama, calib, keep_visits, ridge: float, drift: 
         h_o = h_o + ref.attention(i, ref.rms(h_o, ref.w[p + "input_layernorm.weight"]))
         x_o = ref.rms(h_o, ref.w[p + "post_attention_layernorm.weight"])
         h_o = h_o + (F.silu(x_o @ wg.T) * (x_o @ wu.T)) @ wd.T  # the unpruned model, unchanged
-        k = physical[i].nonzero().squeeze(1)
-        b = a[:, k] * keep_visits[v, k].to(a.dtype)  # what the kept columns see on this visit
         own = a @ wd.T  # the whole unpruned FFN on the same input
         target_t = own + drift * ((h_o - h).reshape(-1, h.shape[-1]) - own)
+        if select:
+            gram, cross = a.T @ a, target_t.T @ a
+            lam = ridge * float(gram.diagonal().mean())
+            chosen = greedy_by_resolving(gram, cross, int(keep_visits[v].sum()), lam)
+            keep_visits[v] = False
+            keep_visits[v, chosen] = True
+            physical[i] = keep_visits[v]
+        k = physical[i].nonzero().squeeze(1)
+        b = a[:, k] * keep_visits[v, k].to(a.dtype)  # what the kept columns see on this visit
         normal[i][0] = normal[i][0] + b.T @ b
         normal[i][1] = normal[i][1] + target_t.T @ b
         m, r = normal[i]
@@ -129,3 +157,104 @@ def test_least_squares_in_place_ships_its_solution_or_the_backbone(
     assert got.keys() == want.keys()
     for name in want:
         assert torch.equal(got[name], want[name]), name
+
+
+def test_choose_is_greedy_removal_by_the_error_the_repair_leaves():
+    """The rank-one updates choose what re-solving every candidate from scratch chooses, and
+    the choice is near the best of all subsets (brute force over every subset), where keeping
+    the largest scores is not: two copies of the strongest neuron carry one's information."""
+    import itertools
+
+    g = torch.Generator().manual_seed(7)
+    a = torch.randn(64, 10, generator=g, dtype=torch.float64) * torch.linspace(0.5, 2, 10)
+    a[:, 8] = a[:, 9] * 1.01  # a near copy of the strongest neuron
+    w = torch.randn(6, 10, generator=g, dtype=torch.float64)
+    w[:, 8] = w[:, 9]
+    gram, cross = a.T @ a, w @ a.T @ a  # drift 0: the target is the layer's own output
+    ridge, width = 1e-3, 6
+    lam = ridge * float(gram.diagonal().mean())
+    got = repair.choose(gram, cross, width, ridge).tolist()
+    assert got == sorted(greedy_by_resolving(gram, cross, width, lam))
+
+    def error(kept) -> float:
+        kept = list(kept)
+        g_k = gram[kept][:, kept] + lam * torch.eye(len(kept), dtype=gram.dtype)
+        return -float((cross[:, kept] * torch.linalg.solve(g_k, cross[:, kept].T).T).sum())
+
+    total = float(torch.einsum("hn,nm,hm->", w, gram, w))  # ||W a||^2: the error's constant
+    best = min(itertools.combinations(range(10), width), key=error)
+    score = (w * w).sum(0) * gram.diagonal()  # ||W[:, j]||^2 ||a_j||^2, a score's choice
+    top = sorted(torch.topk(score, width).indices.tolist())
+    assert {8, 9} <= set(top) and not {8, 9} <= set(got)  # one copy is enough
+    assert total + error(got) <= 1.05 * (total + error(best))
+    assert total + error(got) < 0.9 * (total + error(top))
+
+
+def test_least_squares_chooses_the_neurons_an_independent_greedy_chooses():
+    """select=True against plain torch: each layer, on the pruned stream the layers below (as
+    chosen and repaired) leave it, keeps the neurons brute-force greedy removal keeps, at the
+    width it was given, and solves for them."""
+    stack = tiny()
+    g = torch.Generator().manual_seed(11)
+    calib = torch.randint(0, 256, (4, 24), generator=g)
+    given = torch.rand(3, stack.inter, generator=g) > 0.1
+    visits, physical = given.clone(), given.clone()
+    got = repair.least_squares(stack, calib, visits, physical, 1e-3, 2, drift=0.5, select=True)
+    ref = TinyLlama(stack.lm.state_dict(), stack.lm.config, 1, stack.loop_norm)
+    want_keep = given.clone()
+    want = independent_repair(ref, calib, want_keep, 1e-3, 0.5, select=True)
+    assert torch.equal(visits, want_keep) and torch.equal(physical, want_keep)
+    assert torch.equal(visits.sum(1), given.sum(1))  # the widths it was given
+    assert not torch.equal(visits, given)  # and other neurons than it was given
+    for i in range(3):
+        torch.testing.assert_close(got[i][2], want[i], rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.bake
+@pytest.mark.parametrize("kept", [True, False])
+def test_reconstruction_ships_the_neurons_least_squares_chose_or_flaps(
+    tmp_path, docs_dir, monkeypatch, kept
+):
+    """phase_a=reconstruction: a kept repair ships the neurons the least-squares pass chose, at
+    FLAP's widths (the masks file, the solution its resume reads, the stock model's down_proj);
+    one not kept ships exactly what phase_a=flap ships without least squares."""
+    from conftest import last_run, report, run_bake, tiny_args
+    from safetensors.torch import load_file
+
+    from bake.phases.phase_b import least_squares
+
+    base = ["phase_b.enabled=false", "tracking.enabled=false"]
+    choose = structure.select_repair if kept else (lambda ppls, baseline: None)
+    monkeypatch.setattr(least_squares, "select_repair", choose)  # the stage's keep-or-not
+    args = tiny_args(tmp_path / "rec", docs_dir, "phase_a=reconstruction", *base)
+    assert run_bake(args) == 0
+    flap = [*base, "phase_a=flap", "phase_b.least_squares=false"]
+    assert run_bake(tiny_args(tmp_path / "flap", docs_dir, *flap)) == 0
+    run, flap_run = last_run(tmp_path / "rec"), last_run(tmp_path / "flap")
+    info = report(run)["least_squares"]
+    assert info["improved"] is kept and info["chosen_by_reconstruction"]["shipped"] is kept
+    got = load_file(run / "model" / "model.safetensors")
+    want = load_file(flap_run / "model" / "model.safetensors")
+    ships = load_file(run / "masks.safetensors")["keep"].bool()
+    flaps = load_file(flap_run / "masks.safetensors")["keep"].bool()
+    if not kept:
+        assert torch.equal(ships, flaps) and got.keys() == want.keys()
+        for name in want:
+            assert torch.equal(got[name], want[name]), name
+        return
+    solved = load_file(run / "checkpoints" / "least_squares.safetensors")
+    assert torch.equal(solved["chosen"].bool().view_as(ships), ships)
+    assert torch.equal(ships.sum(1), flaps.sum(1))  # FLAP's widths
+    swapped = int((ships & ~flaps).sum())
+    assert swapped == info["chosen_by_reconstruction"]["swapped"] > 0  # other neurons
+    for li in range(ships.shape[0]):
+        idx = ships[li].nonzero().squeeze(1)
+        down = got[f"model.layers.{li}.mlp.down_proj.weight"]
+        assert torch.equal(down, solved[f"down.{li}"][:, idx]), li
+        # gate_proj keeps the backbone's rows of the chosen neurons: those FLAP also kept are
+        # the rows FLAP's export holds for them
+        name = f"model.layers.{li}.mlp.gate_proj.weight"
+        mine = dict(zip(idx.tolist(), got[name], strict=True))
+        theirs = dict(zip(flaps[li].nonzero().squeeze(1).tolist(), want[name], strict=True))
+        for j in (ships[li] & flaps[li]).nonzero().squeeze(1).tolist():
+            assert torch.equal(mine[j], theirs[j]), (li, j)

@@ -50,6 +50,8 @@ class PhaseAMethod(StrEnum):
     learned = "learned"  # train the mask (the recipe)
     wanda_sp = "wanda_sp"  # the Wanda-sp baseline: top-k neurons by score, no training
     flap = "flap"  # the FLAP baseline: fluctuation metric, adaptive widths, no training
+    # FLAP's widths, each layer's neurons chosen by the error least squares leaves (OBS)
+    reconstruction = "reconstruction"
 
 
 class Controller(StrEnum):
@@ -138,7 +140,9 @@ class CorpusConf:
 
 @dataclass
 class PhaseAConf:
-    method: PhaseAMethod = PhaseAMethod.flap  # flap | wanda_sp (scores, no training) | learned
+    # flap | wanda_sp (scores, no training) | reconstruction (FLAP's widths, neurons chosen by the
+    # least-squares error they leave) | learned
+    method: PhaseAMethod = PhaseAMethod.flap
     # The target: the fraction of FFN neurons the exported model has removed, at least, over
     # all (virtual) layers, met after alignment (export.align_before_repair=true). With the
     # reference's order (align_before_repair=false) it is the sparsity floor of the evaluation

@@ -78,6 +78,7 @@ class Knobs:
     b_layers: int  # layers Phase B trains
     distill: bool
     teacher: bool = False  # distillation from FFN weights of its own (phase_b.teacher != backbone)
+    ls_select: bool = False  # phase_a=reconstruction: least squares chooses the neurons
     optimizer: str = "adam"  # phase_b.optimizer
     block: int = 0  # phase_b.block_layers: layers with gradients and optimiser state at once
     ckpt: bool = False  # trainer.activation_checkpointing
@@ -111,6 +112,7 @@ class Knobs:
             b_layers=min(shape.layers, int(layers)),
             distill=b.distill > 0,
             teacher=b.enabled and b.distill > 0 and b.teacher != "backbone",
+            ls_select=a.method == "reconstruction",
             optimizer=b.optimizer,
             block=b.block_layers,
             ckpt=settings.checkpointing,
@@ -230,6 +232,8 @@ def _least_squares(s: Shape, k: Knobs) -> tuple[int, int]:
     stream = min(k.ls_chunks, k.calib) * k.chunk * h * 4 * (2 if k.ls_stream else 1)
     sums = 8 * max(5 * i * i // 2 + h * i, i * i + 4 * h * i)
     solve = 8 * max(i * i + h * i + kk * i + 2 * kk * kk, 3 * kk * kk + 2 * h * kk)
+    if k.ls_select:  # the choice first: the ridged Gram, its factor, its inverse, the weights
+        solve = max(solve, 8 * (3 * i * i + h * i))
     batch = _eval(s, k, 8) + HEAP * 4 * 8 * k.chunk * (i + 2 * h)
     # the peak comes at the last layer (of the last pass); none written over the backbone's
     downs = 0 if ls_in_place(s, k) else s.layers * down

@@ -209,6 +209,7 @@ def _stages(ctx: RunContext) -> float:
     _log_structure(ctx, keep, masked, result.cached)
     start = Repaired(result.ffn, masked)  # Phase A's trained FFN, if it trained any
     ls = _timed(ctx, "least_squares", least_squares.run, ctx, keep, start)
+    keep = ls.keep or keep  # phase_a=reconstruction: the neurons least squares chose
     final = _timed(ctx, "phase_b", train.run, ctx, keep, ls, on_b)
     ctx.mark_done("phase_b")
     out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)

@@ -2,6 +2,8 @@
 
 - :mod:`~bake.phases.phase_a.flap` (the default): FLAP's fluctuation score, adaptive widths;
 - :mod:`~bake.phases.phase_a.wanda_sp`: Wanda-sp's score, the top of every layer;
+- :mod:`~bake.phases.phase_a.reconstruction`: FLAP's widths, each layer's neurons chosen in the
+  least-squares pass by the error they leave (:func:`bake.phases.phase_b.least_squares.choose`);
 - :mod:`~bake.phases.phase_a.learned`: a learned gate per neuron (the reference recipe, the
   sparsity controller, open gates that rank), trained in :mod:`~bake.phases.phase_a.mask`.
 
@@ -20,6 +22,7 @@ from types import ModuleType
 METHODS = {
     "flap": "bake.phases.phase_a.flap",
     "wanda_sp": "bake.phases.phase_a.wanda_sp",
+    "reconstruction": "bake.phases.phase_a.reconstruction",
     "learned": "bake.phases.phase_a.learned",
 }
 

@@ -41,6 +41,7 @@ PHASE_A_CODE = (
     "bake.phases.phase_a.baseline",
     "bake.phases.phase_a.flap",
     "bake.phases.phase_a.wanda_sp",
+    "bake.phases.phase_a.reconstruction",
     "bake.phases.phase_a.learned",
     "bake.phases.phase_a.mask",
     "bake.phases.phase_a.results",

@@ -23,11 +23,16 @@ visits' normal equations are summed (each visit's gates restricting the kept col
 solution is refreshed at every visit with what is known by then. One forward pass over the
 calibration set (two streams when drift > 0); sums are formed in float32 per batch and added in
 float64; the solve is a float64 Cholesky.
+
+With ``select`` (``phase_a=reconstruction``) each layer's kept neurons are chosen from the same
+equations before its solve (:func:`choose`): the width stays the one that ships, the neurons are
+those whose repair leaves the least error, and the layers above see the chosen structure.
 """
 
 from __future__ import annotations
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING
@@ -38,7 +43,7 @@ from torch import Tensor
 
 from bake.models.stack import FfnOverride, Stack
 from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
-from bake.phases.structure import select_repair
+from bake.phases.structure import compute_keep, select_repair
 from bake.ranks import rank_name
 from bake.storage.cache import digest
 
@@ -69,12 +74,51 @@ class _Normal:
 
     def solve(self, ridge: float) -> Tensor:
         """The kept columns of the new ``down_proj`` [hidden, kept]."""
-        diag = self.m.diagonal()
-        lam = ridge * float(diag.mean()) if diag.numel() else 0.0
-        a = self.m + lam * torch.eye(self.m.shape[0], dtype=self.m.dtype)
-        a.diagonal().add_(1e-12 * max(float(diag.max()) if diag.numel() else 0.0, 1.0))
+        a = self.m.clone()
+        a.diagonal().add_(_ridge(self.m.diagonal(), ridge))
         chol = torch.linalg.cholesky(a)
         return torch.cholesky_solve(self.r.T.contiguous(), chol).T
+
+
+def choose(gram: Tensor, cross: Tensor, width: int, ridge: float) -> Tensor:
+    """The ``width`` neurons whose least-squares repair leaves the least error: sorted indices
+    [width], by greedy removal (Optimal Brain Surgeon on the layer's normal equations, as ZipLM
+    does for structures).
+
+    With the Gram matrix G (ridged as :meth:`_Normal.solve` ridges it) and the target's cross
+    sums R, the repaired weights on a kept set K are W = R[:, K] G[K, K]^-1, and the error they
+    leave grows, when neuron j leaves K and the others are solved again, by exactly
+    ||W[:, j]||^2 / (G[K, K]^-1)[j, j]. Each step removes the neuron of the least growth and
+    updates W and the inverse by that neuron's rank-one correction (no new solve); float64.
+    """
+    n = gram.shape[0]
+    if not 0 < width <= n:
+        raise ValueError(f"width={width}: not in [1, {n}]")
+    g = gram.to(torch.float64).clone()
+    diag = g.diagonal()
+    diag.add_(_ridge(diag, ridge))
+    hinv = torch.cholesky_inverse(torch.linalg.cholesky(g))
+    del g
+    w = cross.to(torch.float64) @ hinv  # [hidden, n]
+    alive = torch.ones(n, dtype=torch.bool, device=gram.device)
+    inf = torch.tensor(math.inf, dtype=torch.float64, device=gram.device)
+    for _ in range(n - width):
+        growth = torch.where(alive, (w * w).sum(dim=0) / hinv.diagonal(), inf)
+        j = int(torch.argmin(growth))
+        col, wj = hinv[:, j].clone(), w[:, j].clone()
+        scale = -1.0 / float(col[j])
+        w.addr_(wj, col, alpha=scale)
+        hinv.addr_(col, col, alpha=scale)
+        alive[j] = False
+    return torch.nonzero(alive).squeeze(1)
+
+
+def _ridge(diag: Tensor, ridge: float) -> float:
+    """What the solve adds to the Gram matrix's diagonal: ``ridge`` times its mean, and a
+    last-bits floor that keeps an all-zero column solvable."""
+    if not diag.numel():
+        return 0.0
+    return ridge * float(diag.mean()) + 1e-12 * max(float(diag.max()), 1.0)
 
 
 @torch.inference_mode()
@@ -88,6 +132,7 @@ def least_squares(
     drift: float = 0.5,
     base: FfnOverride | None = None,
     downs: Sequence[Tensor] | None = None,
+    select: bool = False,
 ) -> dict[int, FfnWeights]:
     """Repaired FFN weights of every physical layer (gate, up unchanged; ``down_proj`` with its
     kept columns solved and its dropped columns zero), from one pass over ``calib`` [n, seq].
@@ -99,6 +144,9 @@ def least_squares(
     its solved ``down_proj`` is written into (new ones when None); on a model that does not
     loop they may be the backbone's own ``down_proj`` (each is read for the last time before its
     layer's solution overwrites it), never on a looped one (its later passes read them).
+    ``select``: each layer keeps as many neurons as ``visits`` says, chosen by :func:`choose`;
+    ``visits`` and ``physical`` are rewritten in place with the chosen ones (a model that does
+    not loop).
     """
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift={drift}: not in [0, 1]")
@@ -123,6 +171,8 @@ def least_squares(
         downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
     if stack.loops > 1 and any(downs[li] is stack.ffn_weights(li)[2] for li in layers):
         raise ValueError("least_squares: a looped model's down_proj cannot take the solution")
+    if select and stack.loops > 1:
+        raise ValueError("least_squares: neurons are chosen on a model that does not loop")
     # the per-batch sums in float32, added into the float64 ones: buffers reused across batches
     # (as many short-lived blocks of these sizes fragment the C heap on CPU)
     part = h.new_empty(inter, inter)
@@ -147,6 +197,11 @@ def least_squares(
                 off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
                 cross += torch.mm(off.T, a2, out=part_x)
         cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
+        if select:
+            chosen = choose(gram, cross, int(visits[v].sum()), ridge).cpu()
+            visits[v] = physical[li] = False
+            visits[v, chosen] = physical[li, chosen] = True
+            gate = visits[v].to(device, h.dtype)
         if li not in normals:
             normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
         normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
@@ -176,10 +231,15 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     values are saved first and restored when the repair is not kept: no second set of them is
     held through least squares, Phase B and the export. A looped model's later passes read the
     unpruned ``down_proj``, and distillation's teacher is the backbone: separate tensors there.
+
+    With ``phase_a=reconstruction`` the pass also chooses each layer's neurons (:func:`choose`):
+    the returned Repaired carries that structure (``keep``) when the repair is kept; when it is
+    not, Phase A's structure and weights go on.
     """
     from bake.models import loader
 
     ls, distill = ctx.settings.least_squares, ctx.settings.phase_b.distill
+    select = ctx.settings.phase_a.method == "reconstruction"
     if not ls.enabled:
         return Repaired(start.ffn, start.ppl, {"enabled": False})
     if bool(keep.visits.all()):  # no neuron removed: nothing to reconstruct (the dense row)
@@ -189,7 +249,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     stack = ctx.model.stack
     path = ctx.run_dir / "checkpoints" / "least_squares.safetensors"
     mask = keep.visits.to(torch.uint8).flatten()
-    saved = _read_downs(path, mask, stack.num_layers)
+    saved, chosen = _read_downs(path, mask, stack.num_layers)
     if stack.sandwich and ls.drift > 0:
         log.warning(
             "phase_b.ls_drift=%s is not used by this model's layers (a norm after the FFN, as "
@@ -208,17 +268,19 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     else:  # made outside inference mode: Phase B may train them in place
         downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
     if saved is None:
+        chosen, physical = keep.visits.clone(), keep.physical.clone()
         least_squares(
             stack,
             ctx.corpus.calib[: ls.chunks],
-            keep.visits,
-            keep.physical,
+            chosen,
+            physical,
             ls.ridge,
             drift=ls.drift,
             base=start.ffn,
             downs=downs,
+            select=select,
         )
-        _save_downs(path, downs, mask)
+        _save_downs(path, downs, mask, chosen)
     elif in_place:
         with torch.no_grad():
             for d, value in zip(downs, saved, strict=True):
@@ -226,7 +288,9 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
         del saved
     base = start.ffn or {}  # gate and up stay those the repair started from
     ffn = {li: (*(base.get(li) or stack.ffn_weights(li))[:2], downs[li]) for li in layers}
-    ppl = ctx.held_ppl(keep.visits, ffn)
+    assert chosen is not None  # read back with the solution, or just chosen
+    repaired = compute_keep(chosen, keep.alive, stack.num_layers) if select else keep
+    ppl = ctx.held_ppl(repaired.visits, ffn)
     kept = select_repair([ppl], start.ppl) is not None
     if in_place:
         if not kept:
@@ -239,31 +303,44 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
         "chunks": int(min(ls.chunks, ctx.corpus.calib.shape[0])),
         "seconds": time.perf_counter() - t0,
     }
+    if select:
+        swapped = int((repaired.visits & ~keep.visits).sum())
+        info["chosen_by_reconstruction"] = {"swapped": swapped, "shipped": kept}
+        log.info(
+            "[LS] neurons chosen by reconstruction: %d of the %d kept are not %s's",
+            swapped,
+            int(keep.visits.sum()),
+            "FLAP",
+        )
     verdict = "kept: below" if kept else "not kept: not below"
     log.info("[LS] least-squares repair: held-PPL %.3f (%s %.3f)", ppl, verdict, start.ppl)
     if not kept:
         return Repaired(start.ffn, start.ppl, info)
-    return Repaired(ffn, ppl, info)
+    return Repaired(ffn, ppl, info, repaired if select else None)
 
 
-def _read_downs(path, mask, layers: int) -> list | None:
-    """A run's saved least-squares solution, when it was made for this keep mask."""
+def _read_downs(path, mask, layers: int) -> tuple[list | None, Tensor | None]:
+    """A run's saved least-squares solution and the structure it solved for (the one it
+    started from, or the one it chose), when it was made from this keep mask."""
     from safetensors.torch import load_file
 
     if not path.is_file():
-        return None
+        return None, None
     saved = load_file(path)
     if saved.get("mask") is None or digest(saved["mask"].tolist()) != digest(mask.tolist()):
-        return None
-    return [saved[f"down.{li}"] for li in range(layers)]
+        return None, None
+    chosen = saved.get("chosen", saved["mask"]).bool().view(-1, saved["down.0"].shape[1])
+    return [saved[f"down.{li}"] for li in range(layers)], chosen
 
 
-def _save_downs(path, downs: list, mask) -> None:
-    """The repaired ``down_proj`` weights of a run, for its resume (atomic)."""
+def _save_downs(path, downs: list, mask, chosen: Tensor) -> None:
+    """The repaired ``down_proj`` weights of a run and the structure they were solved for, for
+    its resume (atomic)."""
     from safetensors.torch import save_file
 
     from bake.storage.files import atomic_write
 
     tensors = {f"down.{li}": d.detach().cpu() for li, d in enumerate(downs)}
+    extra = {"mask": mask.cpu(), "chosen": chosen.to(torch.uint8).flatten().cpu()}
     with atomic_write(path) as tmp:
-        save_file(tensors | {"mask": mask.cpu()}, str(tmp))
+        save_file(tensors | extra, str(tmp))

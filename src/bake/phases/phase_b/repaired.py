@@ -10,10 +10,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from bake.models.stack import FfnOverride
+
+if TYPE_CHECKING:
+    from bake.phases.structure import Keep
 
 
 @dataclass
@@ -23,6 +27,9 @@ class Repaired:
     ffn: FfnOverride | None
     ppl: float
     info: dict = field(default_factory=dict)
+    # the structure these weights were repaired for, where the repair chose it
+    # (phase_a=reconstruction); None: the one it was given
+    keep: Keep | None = None
 
 
 def save_values(path: Path, tensors: list) -> None:

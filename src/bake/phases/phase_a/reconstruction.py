@@ -1,0 +1,33 @@
+"""The structure chosen by reconstruction: each layer keeps the neurons whose least-squares
+repair leaves the smallest error, not those a score ranks highest.
+
+Phase A gives FLAP's structure (:mod:`~bake.phases.phase_a.flap`), which sets each layer's
+width (one common width with ``export.uniform_inter=true``) and is the fall-back. The neurons
+themselves are chosen in the least-squares pass (:mod:`bake.phases.phase_b.least_squares`),
+where each layer's normal equations are formed over the pruned model's own input, the layers
+below already chosen and repaired: greedy removal by the error the repair leaves (Optimal Brain
+Surgeon on the normal equations, as ZipLM and SlimGPT do for structures,
+:func:`~bake.phases.phase_b.least_squares.choose`) down to the exact aligned width that ships.
+When the repaired model's held-out perplexity is not below FLAP's structure unrepaired, FLAP's
+structure ships as it would with ``phase_a=flap``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from bake.phases.phase_a import flap
+
+if TYPE_CHECKING:
+    from bake.phases.common import OnEvaluation
+    from bake.phases.context import RunContext
+    from bake.phases.phase_a.results import PhaseAResult
+
+LABEL = flap.LABEL
+# the phase_a keys it reads: FLAP's (the widths and the fall-back)
+READS = flap.READS
+
+
+def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
+    """FLAP's structure: the widths; least squares chooses the neurons."""
+    return flap.run(ctx, on_evaluation)
