@@ -16,7 +16,8 @@ tables:
 - main: exported sparsity 10, 20, 30, 40%: bake's default, the reference preset
   (``phase_a=reference phase_b=reference export=reference``, with ``phase_a.steps`` raised to
   REFERENCE_STEPS so that its L1 pace can reach 40%; the step of the evaluation it selects is
-  listed), and the baselines (Wanda-sp, FLAP) with the default's repairs and export.
+  listed), the baselines (Wanda-sp, FLAP) and the structure chosen by reconstruction
+  (``phase_a=reconstruction``) with the default's repairs and export.
   A dense row (``phase_a.target_sparsity=0``: the same pipeline and budget, no neuron removed)
   is what every cost divides by: cost = the row's test perplexity / the dense row's, on the
   test split and outside the corpus.
@@ -55,7 +56,11 @@ REPO = Path(__file__).resolve().parents[1]
 OUT = REPO / "outputs" / "bench" / "quality"
 REFERENCE = ["phase_a=reference", "phase_b=reference", "export=reference"]
 REFERENCE_STEPS = 720  # the reference's L1 pace reaches about 40% here (one Phase A, 4 targets)
-BASELINES = {"wanda_sp": ["phase_a=wanda_sp"], "flap": ["phase_a=flap"]}
+BASELINES = {
+    "wanda_sp": ["phase_a=wanda_sp"],
+    "flap": ["phase_a=flap"],
+    "reconstruction": ["phase_a=reconstruction"],  # FLAP's widths, neurons chosen by least squares
+}
 TARGETS = (0.1, 0.2, 0.3, 0.4)
 # A learned Phase A that knows it will be repaired: gates read by rank at the target while every
 # layer's FFN trains with them (open gates: the forward is the dense model), from FLAP's ranking.
