@@ -296,7 +296,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
         if not kept:
             restore_values(downs, originals)
         originals.unlink(missing_ok=True)
-    info = {
+    info: dict[str, object] = {
         "enabled": True,
         "held_ppl": ppl,
         "improved": kept,
@@ -307,10 +307,9 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
         swapped = int((repaired.visits & ~keep.visits).sum())
         info["chosen_by_reconstruction"] = {"swapped": swapped, "shipped": kept}
         log.info(
-            "[LS] neurons chosen by reconstruction: %d of the %d kept are not %s's",
+            "[LS] neurons chosen by reconstruction: %d of the %d kept are not Phase A's",
             swapped,
             int(keep.visits.sum()),
-            "FLAP",
         )
     verdict = "kept: below" if kept else "not kept: not below"
     log.info("[LS] least-squares repair: held-PPL %.3f (%s %.3f)", ppl, verdict, start.ppl)
