@@ -15,19 +15,25 @@ from bake.phases.phase_b import least_squares as repair
 pytestmark = pytest.mark.slow  # seconds per case: the repair and its reference, layer by layer
 
 
+def solved_error(gram, cross, kept, lam: float) -> float:
+    """The error the ridged least squares on the neurons ``kept`` leaves, solved from scratch,
+    up to the target's constant: -tr(R_K (G_KK + lam I)^-1 R_K^T)."""
+    kept = list(kept)
+    g = gram[kept][:, kept] + lam * torch.eye(len(kept), dtype=gram.dtype)
+    r = cross[:, kept]
+    return -float((r * torch.linalg.solve(g, r.T).T).sum())
+
+
 def greedy_by_resolving(gram, cross, width: int, lam: float) -> list[int]:
     """Brute-force greedy removal: at each step every remaining neuron is tried out by solving
-    the ridged least squares of the others from scratch; the one whose removal leaves the least
-    error goes. The error, up to the target's constant: -tr(R_K (G_KK + lam I)^-1 R_K^T)."""
-
-    def error(kept: list[int]) -> float:
-        g = gram[kept][:, kept] + lam * torch.eye(len(kept), dtype=gram.dtype)
-        r = cross[:, kept]
-        return -float((r * torch.linalg.solve(g, r.T).T).sum())
-
+    the ridged least squares of the others from scratch (:func:`solved_error`); the one whose
+    removal leaves the least error goes."""
     alive = list(range(gram.shape[0]))
     while len(alive) > width:
-        alive.remove(min(alive, key=lambda j: error([x for x in alive if x != j])))
+        drop = min(
+            alive, key=lambda j: solved_error(gram, cross, [x for x in alive if x != j], lam)
+        )
+        alive.remove(drop)
     return alive
 
 
@@ -177,9 +183,7 @@ def test_choose_is_greedy_removal_by_the_error_the_repair_leaves():
     assert got == sorted(greedy_by_resolving(gram, cross, width, lam))
 
     def error(kept) -> float:
-        kept = list(kept)
-        g_k = gram[kept][:, kept] + lam * torch.eye(len(kept), dtype=gram.dtype)
-        return -float((cross[:, kept] * torch.linalg.solve(g_k, cross[:, kept].T).T).sum())
+        return solved_error(gram, cross, kept, lam)
 
     total = float(torch.einsum("hn,nm,hm->", w, gram, w))  # ||W a||^2: the error's constant
     best = min(itertools.combinations(range(10), width), key=error)

@@ -174,7 +174,9 @@ def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
 def _reconstruction(cfg, meta: ModelMeta, problems: list[str]) -> None:
     """phase_a=reconstruction chooses the neurons in the least-squares pass, at the widths that
     ship, one structure per physical layer."""
-    if str(cfg.phase_a.method) != "reconstruction":
+    from bake.phases.settings import least_squares_chooses
+
+    if not least_squares_chooses(str(cfg.phase_a.method)):
         return
     why = "phase_a.method=reconstruction chooses the neurons in the least-squares repair"
     if not cfg.phase_b.least_squares:

@@ -112,7 +112,7 @@ class Knobs:
             b_layers=min(shape.layers, int(layers)),
             distill=b.distill > 0,
             teacher=b.enabled and b.distill > 0 and b.teacher != "backbone",
-            ls_select=a.method == "reconstruction",
+            ls_select=a.least_squares_chooses,
             optimizer=b.optimizer,
             block=b.block_layers,
             ckpt=settings.checkpointing,

@@ -63,6 +63,11 @@ class PhaseASettings:
         return trains(self.method)
 
     @property
+    def least_squares_chooses(self) -> bool:
+        """Whether the least-squares pass chooses the neurons (:func:`least_squares_chooses`)."""
+        return least_squares_chooses(self.method)
+
+    @property
     def controller_rule(self) -> ShipRule:
         """The controller's structure (``phase_a.controller=schedule``): the shipping rule read
         by rank (no threshold consulted), or, in the reference's order, ranked unaligned."""
@@ -161,6 +166,12 @@ class Settings:
 def trains(method: str) -> bool:
     """Whether Phase A's ``method`` trains a mask (``learned``); the others score neurons."""
     return method == "learned"
+
+
+def least_squares_chooses(method: str) -> bool:
+    """Whether the least-squares pass chooses the neurons at the widths Phase A's ``method``
+    gives (``reconstruction``); the others' neurons are Phase A's own."""
+    return method == "reconstruction"
 
 
 def tau(a) -> float:

@@ -239,7 +239,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     from bake.models import loader
 
     ls, distill = ctx.settings.least_squares, ctx.settings.phase_b.distill
-    select = ctx.settings.phase_a.method == "reconstruction"
+    select = ctx.settings.phase_a.least_squares_chooses
     if not ls.enabled:
         return Repaired(start.ffn, start.ppl, {"enabled": False})
     if bool(keep.visits.all()):  # no neuron removed: nothing to reconstruct (the dense row)
