@@ -131,6 +131,15 @@ WIDTHS = {
         "export.uniform_inter=false",
     ],
 }
+# Phase B's learning rate chosen on held-out text: the configured rate, a third and a tenth of
+# it, 10 steps each from the same start (bake.phases.phase_b.probe), on each model with its own
+# dense row of the same probe and budget.
+PROBE = ["phase_b.lr_probe=[1,0.3,0.1]"]
+PROBE_MODELS = {
+    "smollm2": [],
+    "gemma3": ["model=gemma3"],
+    "qwen2_5_coder": ["model=qwen2_5_coder"],  # its recipe's counts (conf/model_recipe)
+}
 # Least squares alone (no Phase B) over fewer calibration chunks: its held-out perplexity
 # against phase_b.ls_chunks (the default 240), the curve the default's count follows from.
 LS_CHUNKS = (24, 48, 96, 240)
@@ -240,6 +249,17 @@ def rows() -> dict[str, dict]:
         "args": ["phase_a=reconstruction", "phase_b.enabled=false"],
         "compare": False,
     }
+    for model, args in PROBE_MODELS.items():
+        for t in (0.0, 0.2):
+            kind = "dense" if t == 0 else "default"
+            out[f"probe-{model}-{kind}-{int(100 * t)}"] = {
+                "table": "probe",
+                "setting": f"{model}, {kind}, learning rate probe",
+                "target": t,
+                "args": [*args, *PROBE],
+                "dense": f"probe-{model}-dense-0",
+                "compare": False,
+            }
     for i, (label, args) in enumerate(WIDTHS.items()):
         out[f"widths-{i}-20"] = {
             "table": "widths",
@@ -626,7 +646,17 @@ def tables() -> str:
                 f"{ppl['masked']:>8.3f} {ppl['test_exported']:>8.3f} "
                 f"{rep['seconds'].get('least_squares', math.nan):>7.1f}"
             )
-    tables = ("main", "budget", "vocab", "gemma3", "qwen2_5_coder", "ablation", "widths", "corpus")
+    tables = (
+        "main",
+        "budget",
+        "vocab",
+        "gemma3",
+        "qwen2_5_coder",
+        "ablation",
+        "widths",
+        "probe",
+        "corpus",
+    )
     for table in tables:
         got = [r for n, r in done.items() if n.startswith(table + "-")]
         if table == "ablation" and got and "main-default-20" in done:
@@ -635,7 +665,7 @@ def tables() -> str:
         if got:
             out += ["", f"[{table}]", head]
             ordered = sorted(got, key=lambda r: (r["target"], r["setting"]))
-            out += [line(r, dense) for r in ordered]
+            out += [line(r, done.get(r.get("dense", ""), dense)) for r in ordered]
     return "\n".join(out)
 
 
@@ -643,7 +673,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--tables",
-        default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,widths,corpus,ls",
+        default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,widths,probe,corpus,ls",
     )
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))

@@ -138,6 +138,7 @@ def tiny_args(outputs: Path, docs: Path, *extra: str) -> list[str]:
         "phase_b.steps=8",
         "phase_b.eval_every=4",
         "phase_b.layers=2",
+        "phase_b.lr_probe=[]",  # Phase B at phase_b.lr: its steps are the ones a test counts
         "trainer.progress_bar=false",
         "trainer.eval_batch_size=4",
         f"paths.outputs={outputs}",

@@ -191,7 +191,7 @@ def test_reference_presets_are_the_reference_recipe():
         2.0,
     )
     assert (b.steps, b.lr, b.layers, b.eval_every) == (120, 1e-5, 4, 30)
-    assert (b.all_layers, b.distill, b.least_squares) == (False, 0.0, False)
+    assert (b.all_layers, b.distill, b.least_squares, list(b.lr_probe)) == (False, 0.0, False, [])
     assert (e.align, e.uniform_inter, e.align_before_repair) == (32, False, False)
     assert (c.chunk_len, c.held_chunks, c.calib_chunks, c.chunks_per_doc) == (256, 12, 240, 1)
 
@@ -328,3 +328,15 @@ def test_reconstruction_is_refused_where_least_squares_cannot_choose_naming_why(
         validate(compose(["model=tiny_looped", "phase_a=reconstruction"]))
     assert "model.loops=2: phase_a.method=reconstruction chooses" in str(err.value)
     validate(compose(["model=tiny", "phase_a=reconstruction"]))
+
+
+def test_the_learning_rate_probe_is_refused_where_it_cannot_choose_naming_why():
+    for override, words in (
+        ("phase_b.lr_probe=[0.5]", "one rate is no choice"),
+        ("phase_b.lr_probe=[1,-0.3]", "must be finite fractions > 0"),
+        ("phase_b.lr_probe_steps=0", "must be >= 1"),
+    ):
+        with pytest.raises(ConfigError) as err:
+            validate(compose(["model=tiny", "phase_b.lr_probe=[1,0.1]", override]))
+        assert override.split("=")[0] in str(err.value) and words in str(err.value), override
+    validate(compose(["model=tiny", "phase_b.lr_probe=[1,0.3,0.1]", "phase_b.steps=5"]))

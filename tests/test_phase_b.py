@@ -301,3 +301,38 @@ def test_the_distillation_loss_is_plain_torch_kl_to_the_teacher_ffn(alpha):
         # down_proj's columns are scaled by the gate: d/dW = d/d(W * gate) * gate
         want = layer.mlp.down_proj.weight.grad * gates[li][None, :]
         torch.testing.assert_close(wd.grad, want, rtol=1e-7, atol=1e-10)
+
+
+@pytest.mark.bake
+def test_the_learning_rate_probe_trains_each_rate_as_its_own_bake_and_ships_the_best(
+    tmp_path, docs_dir
+):
+    """phase_b.lr_probe: each rate's held-out perplexity after lr_probe_steps steps is the one a
+    bake at that rate without a probe reaches at that step (the same start restored after every
+    candidate, the same chunks, the run's own cosine schedule), the lowest wins, and the bake
+    ships exactly what a bake at the winner's rate ships."""
+    from conftest import last_run, report, run_bake, tiny_args
+    from safetensors.torch import load_file
+
+    base = ["phase_a=flap", "tracking.enabled=false", "phase_b.steps=8", "phase_b.eval_every=4"]
+    probe = ["phase_b.lr=1e-4", "phase_b.lr_probe=[1,30,0.01]", "phase_b.lr_probe_steps=4"]
+    assert run_bake(tiny_args(tmp_path / "probe", docs_dir, *base, *probe)) == 0
+    run = last_run(tmp_path / "probe")
+    got = report(run)["phase_b"]
+    rates = got["lr_probe"]["rates"]
+    assert rates == pytest.approx([1e-4, 3e-3, 1e-6])
+    alone = {}
+    for i, lr in enumerate(rates):
+        assert run_bake(tiny_args(tmp_path / str(i), docs_dir, *base, f"phase_b.lr={lr}")) == 0
+        alone[i] = last_run(tmp_path / str(i))
+        first = report(alone[i])["phase_b"]["evaluations"][0]
+        assert first["step"] == 4
+        assert first["held_ppl"] == pytest.approx(got["lr_probe"]["held_ppl"][i], rel=1e-9)
+    best = min(range(3), key=lambda i: got["lr_probe"]["held_ppl"][i])
+    assert best != 0  # the configured rate lost: the run restarted from the restored start
+    assert got["lr"] == pytest.approx(rates[best])
+    shipped = load_file(run / "model" / "model.safetensors")
+    want = load_file(alone[best] / "model" / "model.safetensors")
+    assert shipped.keys() == want.keys()
+    for name in want:
+        assert torch.equal(shipped[name], want[name]), name

@@ -76,6 +76,12 @@ def test_other_groups_follow_the_same_rule():
     off = unused(compose(["phase_b.teacher=dense"]))["phase_b.teacher"]
     assert off.because == "phase_b.distill=0.0"
     assert "phase_b.teacher" not in unused(compose(["phase_b.teacher=dense", "phase_b.distill=1"]))
+    # the probe's steps are read only by a probe
+    off = unused(compose(["phase_b.lr_probe=[]", "phase_b.lr_probe_steps=5"]))[
+        "phase_b.lr_probe_steps"
+    ]
+    assert off.because == "phase_b.lr_probe=[]"
+    assert "phase_b.lr_probe_steps" not in unused(compose(["phase_b.lr_probe=[1,0.1]"]))
 
 
 @pytest.mark.bake

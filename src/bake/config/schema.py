@@ -172,6 +172,11 @@ class PhaseBConf:
     enabled: bool = True  # false: no gradient repair
     steps: int = 120  # optimiser steps, one calibration chunk each (the reference's)
     lr: float = 1e-4  # peak learning rate, cosine to 0; divided by the loops on a looped model
+    # learning rates tried first, as fractions of lr: each trains lr_probe_steps steps (at most
+    # steps) from the same start and the lowest held-out perplexity sets the rate the run
+    # trains at; []: lr as given
+    lr_probe: list[float] = field(default_factory=lambda: [1.0, 0.3, 0.1])
+    lr_probe_steps: int = 10
     layers: int = 4  # with all_layers=false: how many of the last physical layers train
     all_layers: bool = True  # train every layer's FFN (the reference: the last `layers`)
     distill: float = 0.0  # weight of KL(teacher || this model) in the loss; 0: none

@@ -43,6 +43,14 @@ def _no_distill(cfg) -> str | None:
     return None if cfg.phase_b.distill > 0 else f"phase_b.distill={cfg.phase_b.distill}"
 
 
+def _no_probe(cfg) -> str | None:
+    if not cfg.phase_b.enabled:
+        return "phase_b.enabled=false"
+    return (
+        None if len(cfg.phase_b.lr_probe) > 1 else f"phase_b.lr_probe={list(cfg.phase_b.lr_probe)}"
+    )
+
+
 def _layers_off(cfg) -> str | None:
     b = cfg.phase_b
     if not b.enabled:
@@ -105,6 +113,8 @@ RULES: dict[str, tuple[Callable, str]] = {
     "phase_b.steps": (_phase_b_off, "Phase B's optimiser steps"),
     "phase_b.lr": (_phase_b_off, "Phase B's learning rate"),
     "phase_b.eval_every": (_phase_b_off, "the steps between Phase B's evaluations"),
+    "phase_b.lr_probe": (_phase_b_off, "the learning rates Phase B tries first"),
+    "phase_b.lr_probe_steps": (_no_probe, "the steps each learning rate of the probe trains"),
     "phase_b.distill": (_phase_b_off, "Phase B's distillation weight"),
     "phase_b.teacher": (_no_distill, "whose logits Phase B's distillation learns"),
     "phase_b.all_layers": (_phase_b_off, "whether Phase B trains every layer"),

@@ -47,6 +47,25 @@ def _ranges(cfg, problems: list[str]) -> None:
     need(b.eval_every >= 1, "phase_b.eval_every", b.eval_every, "must be >= 1")
     need(b.lr > 0 and math.isfinite(b.lr), "phase_b.lr", b.lr, "must be a finite number > 0")
     need(0 <= b.distill <= 1, "phase_b.distill", b.distill, "must be in [0, 1]: the KL's weight")
+    need(
+        all(f > 0 and math.isfinite(f) for f in b.lr_probe),
+        "phase_b.lr_probe",
+        list(b.lr_probe),
+        "must be finite fractions > 0 of phase_b.lr (for example [1,0.3,0.1]; []: no probe)",
+    )
+    need(
+        len(b.lr_probe) != 1,
+        "phase_b.lr_probe",
+        list(b.lr_probe),
+        "one rate is no choice: list two or more fractions of phase_b.lr, or set phase_b.lr",
+    )
+    need(
+        b.lr_probe_steps >= 1,
+        "phase_b.lr_probe_steps",
+        b.lr_probe_steps,
+        "must be >= 1: the steps each rate of phase_b.lr_probe trains (at most phase_b.steps; "
+        "phase_b.lr_probe=[] turns the probe off)",
+    )
     need(b.ls_chunks >= 1, "phase_b.ls_chunks", b.ls_chunks, "must be >= 1")
     need(
         b.block_layers >= 0,

@@ -233,11 +233,13 @@ def make_trainer(
     eval_every: int,
     monitor: str,
     extra_callbacks: list[Callback] | None = None,
+    checkpoints: bool = True,
 ) -> Trainer:
     """A Trainer for one phase: max ``steps``, held-out evaluation every ``eval_every`` steps,
     ``best.ckpt`` on the lowest ``monitor`` (strictly lower replaces) and ``last.ckpt`` at
-    every evaluation, for resume. No sanity-check evaluation, no Lightning logger: bake logs
-    to MLflow itself, against the global step."""
+    every evaluation, for resume (none with ``checkpoints=False``: a trial nothing resumes or
+    restores). No sanity-check evaluation, no Lightning logger: bake logs to MLflow itself,
+    against the global step."""
     import lightning as L
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
@@ -267,6 +269,8 @@ def make_trainer(
             enable_version_counter=False,
         ),
     ]
+    if not checkpoints:
+        callbacks = []
     show_bar = bool(tcfg.progress_bar) and interactive()
     if show_bar:
         callbacks.append(_phase_bar(TQDMProgressBar, phase_dir.name.replace("_", " ")))
@@ -288,6 +292,7 @@ def make_trainer(
         callbacks=callbacks,
         enable_progress_bar=show_bar,
         enable_model_summary=False,
+        enable_checkpointing=checkpoints,
         precision="32-true",
         default_root_dir=str(phase_dir),
         use_distributed_sampler=False,

@@ -93,6 +93,8 @@ class PhaseBSettings:
     baseline: float = float("inf")  # the held-out perplexity an evaluation must beat to be kept
     optimizer: str = "adam"  # adam | adafactor | sgd
     block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
+    lr_probe: tuple[float, ...] = ()  # fractions of lr tried first (bake.phases.phase_b.probe)
+    lr_probe_steps: int = 0  # the steps each of them trains before the held-out text decides
     # Train the weights it starts from in place (the backbone's, least squares'), not copies:
     # the caller saves and restores them (bake.phases.phase_b.train); never with distillation,
     # whose teacher is the backbone
@@ -250,6 +252,8 @@ def resolve(cfg: DictConfig, meta: ModelMeta) -> Settings:
         teacher=str(b.teacher),
         optimizer=str(b.optimizer),
         block_layers=int(b.block_layers),
+        lr_probe=tuple(float(f) for f in b.lr_probe),
+        lr_probe_steps=int(b.lr_probe_steps),
         in_place=b.distill == 0,
         enabled=bool(b.enabled),
     )

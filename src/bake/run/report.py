@@ -144,6 +144,7 @@ def track(ctx: RunContext, report: dict) -> None:
             "final/params_after": report["parameters"]["after"],
             "final/seconds": report.get("seconds", {}).get("total"),
             "export/revived": ex.get("revived"),
+            "final/phase_b_lr": (report.get("phase_b") or {}).get("lr"),  # the probe's choice
             "final/peak_rss_over_loaded": report.get("memory", {}).get("peak_over_loaded"),
         }
     )
@@ -208,6 +209,8 @@ def print_summary(report: dict, tcfg) -> None:
         lines.append(f"  least squares        held-PPL {ls['held_ppl']:.3f}   {verdict}")
     if pb.get("enabled", True):
         verdict = "kept" if pb.get("improved") else "not kept"
+        if pb.get("lr_probe"):
+            verdict += f", learning rate {pb['lr']:.3g} chosen by the probe"
         lines.append(f"  Phase B              held-PPL {ppl['overlaid']:.3f}   {verdict}")
     lines += [
         f"  exported             held-PPL {ppl['exported']:.3f}"

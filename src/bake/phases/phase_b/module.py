@@ -94,6 +94,7 @@ class PhaseB(CalibrationSteps, L.LightningModule):
     """FFN repair of the last layers; the backbone stays frozen and shared."""
 
     phase = "b"
+    tag = "[B]"  # its log lines' prefix (the learning rate probe names its candidate)
 
     def __init__(
         self,
@@ -242,7 +243,8 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         self.log("held_ppl", ppl, prog_bar=True, logger=False)
         fb, opt = self.timer.means()
         log.info(
-            "[B] step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, optimiser %.4fs per step]",
+            "%s step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, optimiser %.4fs per step]",
+            self.tag,
             ev["step"],
             ppl,
             best,

@@ -38,6 +38,8 @@ from bake.storage.cache import building, code_digest, digest
 
 if TYPE_CHECKING:
     from bake.phases.context import RunContext
+    from bake.phases.phase_b.module import PhaseB
+    from bake.phases.settings import PhaseBSettings
 
 log = logging.getLogger("bake")
 
@@ -45,6 +47,7 @@ log = logging.getLogger("bake")
 TEACHER_CODE = (
     "bake.phases.phase_b.teacher",
     "bake.phases.phase_b.module",
+    "bake.phases.phase_b.probe",
     "bake.phases.phase_b.adafactor",
     "bake.phases.phase_b.repaired",
     "bake.phases.settings",
@@ -141,6 +144,8 @@ def dense_key(ctx: RunContext) -> str:
             "phase_b": {
                 "steps": b.steps,
                 "lr": b.lr,
+                "lr_probe": list(b.lr_probe),
+                "lr_probe_steps": b.lr_probe_steps if len(b.lr_probe) > 1 else 0,
                 "layers": b.layers,
                 "all_layers": b.all_layers,
                 "eval_every": b.eval_every,
@@ -191,6 +196,7 @@ def _train_dense(ctx: RunContext) -> Teacher:
     evaluation beats the backbone (the repairs' selection rule)."""
     from bake.phases.common import Identity, best_state, fit, make_trainer
     from bake.phases.phase_b.module import PhaseB
+    from bake.phases.phase_b.probe import choose_lr
     from bake.phases.phase_b.repaired import Repaired, outcome
 
     stack = ctx.model.stack
@@ -204,10 +210,16 @@ def _train_dense(ctx: RunContext) -> Teacher:
     )
     gates = torch.ones(stack.num_virtual, stack.inter)
     key = dense_key(ctx)
-    module = PhaseB(
-        stack, ctx.corpus.calib, ctx.corpus.held, settings, gates, Identity(ctx.model.key, key)
-    )
+
+    def build(s: PhaseBSettings) -> PhaseB:
+        return PhaseB(
+            stack, ctx.corpus.calib, ctx.corpus.held, s, gates, Identity(ctx.model.key, key)
+        )
+
     phase_dir = ctx.run_dir / "checkpoints" / "teacher"
+    # the student's own probe, if it has one: the teacher is this Phase B with no neuron removed
+    settings, probe = choose_lr(settings, ctx.settings.trainer, phase_dir, build, lambda: None)
+    module = build(settings)
     trainer = make_trainer(
         ctx.settings.trainer, phase_dir, settings.steps, settings.eval_every, "phase_b/select"
     )
@@ -220,6 +232,8 @@ def _train_dense(ctx: RunContext) -> Teacher:
     info = {
         "kind": "dense",
         "steps": settings.steps,
+        "lr": settings.lr,
+        "lr_probe": probe,
         "held_ppl": out.ppl,
         "backbone_ppl": backbone,
         "improved": bool(out.info["improved"]),

@@ -17,6 +17,7 @@ import torch
 
 from bake.memory import measure
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
+from bake.phases.phase_b.probe import choose_lr
 from bake.phases.phase_b.repaired import Repaired, outcome, restore_values, save_values
 from bake.ranks import rank_name
 from bake.storage.cache import digest
@@ -24,6 +25,8 @@ from bake.storage.cache import digest
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
     from bake.phases.context import RunContext
+    from bake.phases.phase_b.module import PhaseB
+    from bake.phases.settings import PhaseBSettings
     from bake.phases.structure import Keep
 
 log = logging.getLogger("bake")
@@ -57,25 +60,40 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     calib = ctx.corpus.calib
     if start.ffn and a.trains and a.train_ffn:
         calib = calib.roll(-(a.steps % max(1, calib.shape[0])), dims=0)
-    module = PhaseB(
-        stack,
-        calib,
-        ctx.corpus.held,
-        settings,
-        gates,
-        Identity(ctx.model.key, key),
-        on_evaluation,
-        start.ffn,
-        None if teacher is None else teacher.ffn,
-    )
+
+    def build(s: PhaseBSettings, report: OnEvaluation | None = None) -> PhaseB:
+        return PhaseB(
+            stack,
+            calib,
+            ctx.corpus.held,
+            s,
+            gates,
+            Identity(ctx.model.key, key),
+            report,
+            start.ffn,
+            None if teacher is None else teacher.ffn,
+        )
+
+    module = build(settings, on_evaluation)
     phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
     start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank_name()}.safetensors"
+    trained = list(module.ffn)
     if settings.in_place:  # the weights it trains are the bake's own: saved to come back to
         from bake.models import loader
 
         loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
         if not start_file.is_file():  # (a resumed bake wrote it before its first step)
-            save_values(start_file, list(module.ffn))
+            save_values(start_file, trained)
+
+    def reset() -> None:  # a probe trained the bake's own tensors: back to the start
+        if settings.in_place:
+            restore_values(trained, start_file)
+
+    probe = None
+    if len(settings.lr_probe) > 1 and settings.lr_probe_steps > 0:
+        del module
+        settings, probe = choose_lr(settings, ctx.settings.trainer, phase_dir, build, reset)
+        module = build(settings, on_evaluation)
     trainer = make_trainer(
         ctx.settings.trainer, phase_dir, settings.steps, settings.eval_every, "phase_b/select"
     )
@@ -89,6 +107,8 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
         "all_layers": settings.all_layers,
         "distill": settings.distill,
         "teacher": None if teacher is None else teacher.info,
+        "lr": settings.lr,
+        "lr_probe": probe,
         "optimizer": settings.optimizer,
         "block_layers": settings.block_layers,
         "evaluations": evaluations,

@@ -1,0 +1,116 @@
+"""Phase B's learning rate chosen on held-out text (``phase_b.lr_probe``).
+
+Each candidate (a fraction of ``phase_b.lr``) trains ``phase_b.lr_probe_steps`` steps (at most
+``phase_b.steps``) from the same start, on the first steps' chunks, with the first steps of the
+run's own cosine schedule; then the held-out perplexity decides. The lowest wins (the first
+listed on a tie; a candidate whose loss stops being finite loses), the start's weights are
+restored after every candidate, and the run itself trains at the winner's rate from the start.
+The probe's steps are training the run does not keep: a budget counts them.
+
+The choice is written to the phase's checkpoint folder, so a resumed bake goes on at the rate
+it chose instead of probing again.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import shutil
+from collections.abc import Callable
+from dataclasses import replace
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from bake.errors import TrainingDiverged
+from bake.memory import measure
+
+if TYPE_CHECKING:
+    from bake.config.schema import TrainerConf
+    from bake.phases.phase_b.module import PhaseB
+    from bake.phases.settings import PhaseBSettings
+
+log = logging.getLogger("bake")
+
+CHOICE = "lr_probe.json"
+
+
+def winner(results: list[float]) -> int:
+    """The candidate kept: the lowest held-out perplexity, the first on a tie (non-finite
+    perplexities lose to every finite one)."""
+    best = 0
+    for i, ppl in enumerate(results):
+        if math.isfinite(ppl) and not (math.isfinite(results[best]) and ppl >= results[best]):
+            best = i
+    return best
+
+
+def choose_lr(
+    settings: PhaseBSettings,
+    trainer_conf: TrainerConf,
+    folder: Path,
+    build: Callable[[PhaseBSettings], PhaseB],
+    reset: Callable[[], None],
+) -> tuple[PhaseBSettings, dict | None]:
+    """The settings the run trains with (``lr`` the probe's choice) and what the probe measured
+    (None without a probe). ``build`` makes a fresh module from the start's weights for some
+    settings; ``reset`` puts the start's weights back after a candidate trained them in place.
+    """
+    from bake.phases.common import fit, make_trainer
+
+    if len(settings.lr_probe) < 2 or settings.lr_probe_steps <= 0:
+        return settings, None
+    rates = [settings.lr * f for f in settings.lr_probe]
+    saved = folder / CHOICE
+    if saved.is_file():  # a resumed bake: the rate it chose before
+        info = json.loads(saved.read_text())
+        if info.get("rates") == rates and info.get("steps") == min(
+            settings.lr_probe_steps, settings.steps
+        ):
+            log.info("[B] learning rate %.3g, chosen by this bake's probe before", info["lr"])
+            return replace(settings, lr=float(info["lr"])), info
+    steps = min(settings.lr_probe_steps, settings.steps)
+    results: list[float] = []
+    for i, lr in enumerate(rates):
+        trial = replace(settings, lr=lr, baseline=math.inf)
+        module = build(trial)
+        module.tag = f"[B] learning rate probe {lr:.3g}:"
+        where = folder / "lr_probe" / str(i)
+        # max_steps: the probe's; the module's cosine runs over the run's steps (trial.steps)
+        trainer = make_trainer(trainer_conf, where, steps, steps, "", checkpoints=False)
+        try:
+            fit(trainer, module, None)
+            results.append(module.evaluations[-1]["held_ppl"] if module.evaluations else math.inf)
+        except TrainingDiverged:
+            results.append(math.inf)
+        del module, trainer
+        measure.collect()
+        reset()
+        shutil.rmtree(where, ignore_errors=True)
+    best = winner(results)
+    info = {
+        "rates": rates,
+        "steps": steps,
+        "held_ppl": results,
+        "lr": rates[best],
+        "start_ppl": settings.baseline,
+    }
+    log.info(
+        "[B] learning rate probe (%d steps each): %s; Phase B trains at %.3g",
+        steps,
+        ", ".join(f"{lr:.3g} -> held-PPL {p:.3f}" for lr, p in zip(rates, results, strict=True)),
+        rates[best],
+    )
+    if rates[best] == min(rates):  # a lower one might be better still
+        log.warning(
+            "[B] the learning rate probe's lowest rate won: none below it was tried (add a "
+            "smaller fraction to phase_b.lr_probe=%s to try one)",
+            list(settings.lr_probe),
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    from bake.storage.files import atomic_write
+
+    with atomic_write(saved) as tmp:
+        Path(tmp).write_text(json.dumps(info))
+    shutil.rmtree(folder / "lr_probe", ignore_errors=True)
+    return replace(settings, lr=rates[best]), info
