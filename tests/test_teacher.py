@@ -41,6 +41,23 @@ def test_the_dense_teacher_trains_once_and_the_next_target_reuses_it(tmp_path, d
 
 
 @pytest.mark.bake
+def test_the_dense_teacher_probes_its_learning_rate_as_the_dense_bake_does(tmp_path, docs_dir):
+    """With phase_b.lr_probe the dense teacher is still the dense row's Phase B: its probe and
+    its kept held-out perplexity are those of a bake that removes nothing (target 0)."""
+    probe = ["phase_b.lr_probe=[1,30]", "phase_b.lr_probe_steps=4", "phase_b.eval_every=4"]
+    assert run_bake(tiny_args(tmp_path / "t", docs_dir, *DENSE, *probe)) == 0
+    teacher = report(last_run(tmp_path / "t"))["phase_b"]["teacher"]
+    plain = ["phase_a=flap", "phase_a.target_sparsity=0", "tracking.enabled=false"]
+    assert run_bake(tiny_args(tmp_path / "d", docs_dir, *plain, *probe)) == 0
+    dense_report = report(last_run(tmp_path / "d"))
+    dense = dense_report["phase_b"]
+    assert teacher["lr_probe"]["rates"] == dense["lr_probe"]["rates"]
+    assert teacher["lr_probe"]["held_ppl"] == pytest.approx(dense["lr_probe"]["held_ppl"], rel=1e-6)
+    assert teacher["lr"] == dense["lr"]
+    assert teacher["held_ppl"] == pytest.approx(dense_report["perplexity"]["overlaid"], rel=1e-6)
+
+
+@pytest.mark.bake
 def test_a_finished_bake_teaches_with_its_exported_ffn(tmp_path, docs_dir):
     first = tmp_path / "first"
     assert run_bake(tiny_args(first, docs_dir, "phase_a=flap", "tracking.enabled=false")) == 0

@@ -77,7 +77,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     module = build(settings, on_evaluation)
     phase_dir = ctx.run_dir / "checkpoints" / "phase_b"
     start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank_name()}.safetensors"
-    trained = list(module.ffn)
+    trained = list(module.ffn) if settings.in_place else []  # (copies: not held past the probe)
     if settings.in_place:  # the weights it trains are the bake's own: saved to come back to
         from bake.models import loader
 
