@@ -101,6 +101,11 @@ class PhaseBSettings:
     in_place: bool = False
     enabled: bool = True
 
+    @property
+    def probes(self) -> bool:
+        """Whether the learning rate probe runs: two or more rates and a step to train them."""
+        return len(self.lr_probe) > 1 and self.lr_probe_steps > 0
+
 
 @dataclass(frozen=True)
 class LeastSquaresSettings:

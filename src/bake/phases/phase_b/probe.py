@@ -38,11 +38,9 @@ CHOICE = "lr_probe.json"
 def winner(results: list[float]) -> int:
     """The candidate kept: the lowest held-out perplexity, the first on a tie (non-finite
     perplexities lose to every finite one)."""
-    best = 0
-    for i, ppl in enumerate(results):
-        if math.isfinite(ppl) and not (math.isfinite(results[best]) and ppl >= results[best]):
-            best = i
-    return best
+    return min(
+        range(len(results)), key=lambda i: results[i] if math.isfinite(results[i]) else math.inf
+    )
 
 
 def choose_lr(
@@ -58,18 +56,16 @@ def choose_lr(
     """
     from bake.phases.common import fit, make_trainer
 
-    if len(settings.lr_probe) < 2 or settings.lr_probe_steps <= 0:
+    if not settings.probes:
         return settings, None
     rates = [settings.lr * f for f in settings.lr_probe]
+    steps = min(settings.lr_probe_steps, settings.steps)
     saved = folder / CHOICE
     if saved.is_file():  # a resumed bake: the rate it chose before
         info = json.loads(saved.read_text())
-        if info.get("rates") == rates and info.get("steps") == min(
-            settings.lr_probe_steps, settings.steps
-        ):
+        if info.get("rates") == rates and info.get("steps") == steps:
             log.info("[B] learning rate %.3g, chosen by this bake's probe before", info["lr"])
             return replace(settings, lr=float(info["lr"])), info
-    steps = min(settings.lr_probe_steps, settings.steps)
     results: list[float] = []
     for i, lr in enumerate(rates):
         trial = replace(settings, lr=lr, baseline=math.inf)

@@ -145,7 +145,7 @@ def dense_key(ctx: RunContext) -> str:
                 "steps": b.steps,
                 "lr": b.lr,
                 "lr_probe": list(b.lr_probe),
-                "lr_probe_steps": b.lr_probe_steps if len(b.lr_probe) > 1 else 0,
+                "lr_probe_steps": b.lr_probe_steps if b.probes else 0,
                 "layers": b.layers,
                 "all_layers": b.all_layers,
                 "eval_every": b.eval_every,

@@ -90,7 +90,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
             restore_values(trained, start_file)
 
     probe = None
-    if len(settings.lr_probe) > 1 and settings.lr_probe_steps > 0:
+    if settings.probes:
         del module
         settings, probe = choose_lr(settings, ctx.settings.trainer, phase_dir, build, reset)
         module = build(settings, on_evaluation)
