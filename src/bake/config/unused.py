@@ -89,6 +89,16 @@ def _source_is(*sources: str) -> Callable[[object], str | None]:
     return rule
 
 
+def _no_task(cfg) -> str | None:
+    t = cfg.get("task")
+    return "task=none" if t is None or str(t.source) == "none" else None
+
+
+def _not_unit_tests(cfg) -> str | None:
+    t = cfg.get("task")
+    return None if t is not None and str(t.source) == "unit_tests" else f"task.source={t.source}"
+
+
 # What each phase_a key does where it is read. Which keys a method reads is the method's own
 # (READS and unread() of its module, bake.phases.phase_a).
 PHASE_A: dict[str, str] = {
@@ -129,6 +139,13 @@ RULES: dict[str, tuple[Callable, str]] = {
     "phase_b.ls_ridge": (_ls_off, "the least-squares repair's ridge"),
     "phase_b.ls_drift": (_ls_off, "how much drift the least-squares repair undoes"),
     "export.vocab_min_count": (_vocab_off, "the occurrences a token needs to stay (vocab=task)"),
+    "task.limit": (_no_task, "how many of the task's problems are scored"),
+    "task.max_new_tokens": (_no_task, "the length of each completion of a task problem"),
+    "task.batch": (_no_task, "how many task completions are generated at once"),
+    "task.timeout_s": (_no_task, "the time limit of a task problem's program"),
+    "task.memory_gib": (_no_task, "the memory limit of a task problem's program"),
+    "task.stop": (_no_task, "where a task completion is cut"),
+    "task.path": (_not_unit_tests, "the problems file of task=unit_tests"),
     "corpus.glob": (_source_is("text_files"), "the files of corpus=text_files"),
     "corpus.path": (_source_is("jsonl"), "the file of corpus=jsonl"),
     "corpus.field": (_source_is("jsonl"), "the text field of corpus=jsonl"),

@@ -143,6 +143,44 @@ def _sources(cfg, problems: list[str]) -> None:
             )
 
 
+def _task(cfg, problems: list[str]) -> None:
+    """The task section: its ranges, and a unit_tests file that exists, whose records are
+    whole and whose canonical solutions pass (run in the sandbox)."""
+    import re
+
+    from omegaconf import OmegaConf
+
+    t = cfg.get("task")
+    if t is None or str(t.source) == "none":
+        return
+    before = len(problems)
+
+    def need(ok: bool, key: str, rule: str) -> None:
+        if not ok:
+            problems.append(f"task.{key}={OmegaConf.select(t, key)}: {rule}")
+
+    need(bool(re.fullmatch(r"[A-Za-z0-9_.-]+", str(t.name))), "name", "letters, digits, _ . - only")
+    need(t.limit is None or t.limit >= 1, "limit", "must be >= 1 (null: every problem)")
+    need(t.max_new_tokens >= 1, "max_new_tokens", "must be >= 1")
+    need(t.batch >= 1, "batch", "must be >= 1")
+    need(t.timeout_s > 0 and math.isfinite(t.timeout_s), "timeout_s", "must be a number > 0")
+    need(t.memory_gib >= 0.25 and math.isfinite(t.memory_gib), "memory_gib", "must be >= 0.25")
+    if str(t.source) != "unit_tests":
+        return
+    if OmegaConf.is_missing(t, "path") or not t.path:
+        problems.append("task.path: task=unit_tests needs a JSON Lines file of problems")
+        return
+    from bake.task import problems as task_problems
+
+    try:
+        items = task_problems.load(t)
+    except BakeError as exc:
+        problems.append(str(exc))
+        return
+    if len(problems) == before:
+        problems.extend(task_problems.failing_solutions(items, float(t.timeout_s), t.memory_gib))
+
+
 def teacher_dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot be ``phase_b.teacher`` (None: it can): not a finished bake, or an
     export that trimmed the vocabulary (its logits would not be the student's)."""
@@ -360,6 +398,7 @@ def _schema_of(field_):
         "phase_a": c.PhaseAConf,
         "phase_b": c.PhaseBConf,
         "export": c.ExportConf,
+        "task": c.TaskConf,
         "tracking": c.TrackingConf,
         "trainer": c.TrainerConf,
         "tiny": c.TinyConf,
@@ -374,6 +413,7 @@ def validate(cfg, multirun: bool = False) -> ModelMeta:
     _ranges(cfg, problems)
     _trainer(cfg, multirun, problems)
     _sources(cfg, problems)
+    _task(cfg, problems)
     meta = None
     try:
         meta = read_meta(cfg.model, cfg.paths.cache)

@@ -97,9 +97,35 @@ def _perplexities(ppl: dict, loaded_with: str) -> str:
 def _settings(config: dict) -> str:
     from omegaconf import OmegaConf
 
-    skip = ("model", "corpus", "paths", "tracking", "trainer", "resume")  # stated above, or not
+    # stated above, or not the recipe's
+    skip = ("model", "corpus", "paths", "tracking", "trainer", "resume", "task")
     keep = {k: v for k, v in config.items() if k not in skip}  # the recipe's settings
     return "```yaml\n" + OmegaConf.to_yaml(OmegaConf.create(keep)).rstrip() + "\n```"
+
+
+def _task(task: dict | None) -> list[str]:
+    """The task's section: pass@1 of the source model and of this artifact."""
+    if not task:
+        return []
+    from bake.task.stage import label
+
+    s, b, e = task["settings"], task.get("backbone"), task["exported"]
+    rows = ["| model | passed | pass@1 |", "| --- | --- | --- |"]
+    if b:
+        passed = f"{b['passed']} of {b['problems']}"
+        rows.append(f"| the source model | {passed} | {b['pass_at_1']:.3f} |")
+    rows.append(f"| this artifact | {e['passed']} of {e['problems']} | {e['pass_at_1']:.3f} |")
+    part = "" if task.get("whole_set", True) else f" (the first {task['problems']} of {task['of']})"
+    return [
+        f"## {label(task['name'])} pass@1",
+        "",
+        f"Greedy completions of the task's problems{part}, at most {s['max_new_tokens']} new "
+        f"tokens, cut at {', '.join(repr(x) for x in s['stop'])}; each problem's tests run in a "
+        f"sandbox with a {s['timeout_s']:g} s limit.",
+        "",
+        *rows,
+        "",
+    ]
 
 
 def _kept(report: dict) -> str:
@@ -149,6 +175,7 @@ def render(report: dict, family_class: str) -> str:
             "",
             _perplexities(ppl, ex["loaded_with"]),
             "",
+            *_task(report.get("task")),
             "## Kept FFN neurons per layer",
             "",
             _kept(report),

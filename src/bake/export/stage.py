@@ -51,6 +51,7 @@ class Exported:
     gguf: dict | None  # model.gguf's record (export.gguf)
     params_before: int
     params_after: int
+    task: dict | None = None  # the task's scores of the artifact and the backbone (bake.task)
 
 
 def check_export(exported: float, expected: float, family: str, precision: str) -> None:
@@ -82,12 +83,22 @@ def shipped(ctx: RunContext, out: Outcome) -> tuple[Keep, float]:
     return keep, ctx.held_ppl(keep.visits, out.final.ffn)
 
 
-def run(ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict]) -> dict:
+Judge = Callable[[Path, str, Path], "dict | None"]
+
+
+def run(
+    ctx: RunContext,
+    out: Outcome,
+    report_of: Callable[[Exported], dict],
+    judge: Judge | None = None,
+) -> dict:
     """Write the artifact and its report (``report_of`` builds it from what was exported);
-    returns the report. Any failure of the writers is one line naming the run directory, and
-    leaves nothing half-written."""
+    returns the report. ``judge(model_dir, fmt, stage)``, when given, scores the checked
+    artifact on the task and writes its per-problem file into the staging directory. Any
+    failure of the writers is one line naming the run directory, and leaves nothing
+    half-written."""
     try:
-        return _write(ctx, out, report_of)
+        return _write(ctx, out, report_of, judge)
     except BakeError:
         raise
     except Exception as exc:  # OSError, and the writers' own errors (safetensors, torch)
@@ -99,7 +110,9 @@ def run(ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict]) ->
         ) from None
 
 
-def _write(ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict]) -> dict:
+def _write(
+    ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict], judge: Judge | None
+) -> dict:
     from omegaconf import OmegaConf
 
     t0, s = time.perf_counter(), ctx.settings
@@ -148,6 +161,13 @@ def _write(ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict])
             _plots(stage, out, keep, inter)
         ctx.seconds["export"] = time.perf_counter() - t0
         ctx.memory.stage_done("export")
+        task = None
+        if judge is not None:
+            t1 = time.perf_counter()
+            task = judge(stage / "model", fmt, stage)
+            if task is not None:
+                ctx.seconds["task"] = time.perf_counter() - t1
+                ctx.memory.stage_done("task")
         exported = Exported(
             model_info,
             keep,
@@ -157,6 +177,7 @@ def _write(ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict])
             gguf_info,
             params_before,
             writer.count_parameters(stage / "model"),
+            task,
         )
         report = report_of(exported)
         write_card(stage / "model", report)

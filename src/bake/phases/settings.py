@@ -155,6 +155,7 @@ class Settings:
     export: ExportSettings
     memory_limit_gib: float | None = None
     plan_only: bool = False  # plan=true: the memory plan is printed and nothing runs
+    task: Any = None  # the task section: the skill the artifact is judged on (bake.task)
 
     @property
     def ship(self) -> ShipRule | None:
@@ -294,4 +295,5 @@ def resolve(cfg: DictConfig, meta: ModelMeta) -> Settings:
         ),
         memory_limit_gib=None if t.memory_limit_gib is None else float(t.memory_limit_gib),
         plan_only=bool(cfg.plan),
+        task=cfg.get("task"),
     )

@@ -220,10 +220,15 @@ def _finish(ctx: RunContext, out: Outcome) -> float:
     """Export, report, summary; returns the exported held-out perplexity."""
     from bake.export import stage as export
     from bake.run import report
+    from bake.task import stage as task_stage
 
     if not rank_zero():
         return out.overlaid  # other DDP ranks: the artifact is rank zero's
-    done = export.run(ctx, out, lambda exported: report.build(ctx, out, exported))
+
+    def judge(model_dir: Path, fmt: str, stage: Path) -> dict | None:
+        return task_stage.judge(ctx.settings, model_dir, fmt, stage)
+
+    done = export.run(ctx, out, lambda exported: report.build(ctx, out, exported), judge)
     report.track(ctx, done)
     report.print_summary(done, ctx.settings.tracking)
     return done["perplexity"]["exported"]

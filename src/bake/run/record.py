@@ -27,6 +27,7 @@ _FREE = (
     "plan",
     "paths.",
     "tracking.",
+    "task.",  # what the artifact is judged on, after it is made
     "trainer.progress_bar",
     "trainer.callbacks",
     "trainer.memory_limit_gib",  # what the machine has, not what the bake computes

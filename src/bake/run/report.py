@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING
 from bake.export.artifact import LOADED_WITH
 from bake.phases import masks
 from bake.phases.structure import reaches
+from bake.task.stage import line as task_line
+from bake.task.stage import metrics as task_metrics
 
 if TYPE_CHECKING:
     from bake.export.stage import Exported
@@ -26,7 +28,8 @@ log = logging.getLogger("bake")
 def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
     """report.json of a bake whose artifact ``ex`` was just written and measured."""
     s, measured = ctx.settings, ex.measured
-    ctx.seconds["total"] = time.perf_counter() - out.t_start
+    # the bake's own wall time: the task's scoring (seconds.task) is apart from it
+    ctx.seconds["total"] = time.perf_counter() - out.t_start - ctx.seconds.get("task", 0.0)
     ppl = {
         "backbone": out.backbone,
         "masked": out.masked,
@@ -56,6 +59,7 @@ def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
         "least_squares": out.least_squares.info,
         "phase_b": out.final.info,
         "export": _export_info(ctx, ex) | {"gguf": ex.gguf},
+        "task": ex.task,
         "parameters": {"before": ex.params_before, "after": ex.params_after},
         "seconds": dict(ctx.seconds),
         "memory": ctx.memory.summary(),
@@ -146,10 +150,13 @@ def track(ctx: RunContext, report: dict) -> None:
             "export/revived": ex.get("revived"),
             "final/phase_b_lr": (report.get("phase_b") or {}).get("lr"),  # the probe's choice
             "final/peak_rss_over_loaded": report.get("memory", {}).get("peak_over_loaded"),
+            **task_metrics(report.get("task")),
         }
     )
     for name in ("report.json", "masks.safetensors", "config.yaml"):
         ctx.tracker.artifact(run_dir / name)
+    if report.get("task"):
+        ctx.tracker.artifact(run_dir / "task", "task")
     ctx.tracker.artifact(run_dir / "plots", "plots")
 
 
@@ -229,6 +236,7 @@ def print_summary(report: dict, tcfg) -> None:
         ),
         f"  parameters           {before / 1e6:.2f}M -> {after / 1e6:.2f}M "
         f"({100 * (1 - after / before):.1f}% smaller)",
+        *([task_line(t)] if (t := report.get("task")) else []),
         *(
             [f"  GGUF                 {g['path']} ({g['architecture']}, {g['type']})"]
             if (g := ex.get("gguf"))
