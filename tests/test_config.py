@@ -45,6 +45,7 @@ SCHEMAS = {
     "phase_a": "PhaseAConf",
     "phase_b": "PhaseBConf",
     "export": "ExportConf",
+    "task": "TaskConf",
     "tracking": "TrackingConf",
     "trainer": "TrainerConf",
 }

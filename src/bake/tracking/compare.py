@@ -56,6 +56,7 @@ COLUMNS = (
     Column("masked_ppl", "masked", _num(".3f")),
     Column("overlaid_ppl", "overlaid", _num(".3f")),
     Column("exported_ppl", "exported", _num(".3f")),
+    Column("pass_at_1", "pass@1", _num(".3f")),  # the task's (task=humaneval, ...): the export's
     Column("params_after", "params", _millions),
     Column("seconds", "sec", _num(".0f")),
 )
@@ -85,15 +86,26 @@ def _missing(v) -> bool:
     return v is None or (isinstance(v, float) and math.isnan(v))
 
 
+OPTIONAL = {"pass_at_1"}  # shown when a row has it (a bake with a task)
+
+
+def shown(rows: list[dict]) -> list[Column]:
+    """The columns of a table of ``rows``: every column, a task's only when a row has one."""
+    return [
+        c for c in COLUMNS if c.key not in OPTIONAL or any(not _missing(r.get(c.key)) for r in rows)
+    ]
+
+
 def format_table(rows: list[dict]) -> str:
     """A fixed-width table; names are printed whole (no column cuts them). Two spaces after
     the text columns, one between the right-aligned numbers: a sweep's table fits 120 columns."""
-    cells = [[c.header for c in COLUMNS]] + [[c.fmt(r.get(c.key)) for c in COLUMNS] for r in rows]
-    widths = [max(len(line[i]) for line in cells) for i in range(len(COLUMNS))]
+    columns = shown(rows)
+    cells = [[c.header for c in columns]] + [[c.fmt(r.get(c.key)) for c in columns] for r in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(columns))]
     out = []
     for line in cells:
         text = ""
-        for cell, w, col in zip(line, widths, COLUMNS, strict=True):
+        for cell, w, col in zip(line, widths, columns, strict=True):
             if col.key in TEXT:
                 text += cell.ljust(w) + "  "
             else:
@@ -104,9 +116,10 @@ def format_table(rows: list[dict]) -> str:
 
 def markdown_table(rows: list[dict]) -> str:
     """The same table in markdown, for the parent run's description."""
-    head = "| " + " | ".join(c.header for c in COLUMNS) + " |"
-    rule = "|" + "|".join("---" if c.key in TEXT else "---:" for c in COLUMNS) + "|"
-    body = ["| " + " | ".join(_cell(c.fmt(r.get(c.key))) for c in COLUMNS) + " |" for r in rows]
+    columns = shown(rows)
+    head = "| " + " | ".join(c.header for c in columns) + " |"
+    rule = "|" + "|".join("---" if c.key in TEXT else "---:" for c in columns) + "|"
+    body = ["| " + " | ".join(_cell(c.fmt(r.get(c.key))) for c in columns) + " |" for r in rows]
     return "\n".join([head, rule, *body])
 
 
@@ -118,7 +131,7 @@ def table_columns(rows: list[dict]) -> dict[str, list]:
     """Column -> values, for MLflow's table artifact: numbers as shown in the table, parameter
     counts exact (a column of numbers carries no unit: 0.16 would read as 0.16 parameters)."""
     out: dict[str, list] = {}
-    for c in COLUMNS:
+    for c in shown(rows):
         if c.key == "params_after":
             out[c.header] = [_count(r.get(c.key)) for r in rows]
             continue
@@ -160,6 +173,8 @@ def row_from_run(run) -> dict:
         "overlaid_ppl": m.get("final/overlaid_ppl", NAN),
         "exported_ppl": m.get("final/exported_ppl", NAN),
         "backbone_ppl": m.get("final/backbone_ppl", NAN),
+        "pass_at_1": m.get("task/pass_at_1_exported", NAN),
+        "backbone_pass_at_1": m.get("task/pass_at_1_backbone", NAN),
         "params_after": m.get("final/params_after", NAN),
         "seconds": seconds,
     }
@@ -220,7 +235,7 @@ def rows_from_dir(sweep_dir: Path, problems: list[str] | None = None) -> list[di
 
 
 def _row(run: str, swept: str, status: str, target: float) -> dict:
-    keys = ("pruned", "masked_ppl", "overlaid_ppl", "exported_ppl", "backbone_ppl")
+    keys = ("pruned", "masked_ppl", "overlaid_ppl", "exported_ppl", "backbone_ppl", "pass_at_1")
     row = {"run": run, "swept": swept, "run_id": None, "job_dir": None, "status": status}
     return row | {"target": target} | dict.fromkeys((*keys, "params_after", "seconds"), NAN)
 
@@ -256,8 +271,20 @@ def _row_of_dir(job: Path, swept, problems: list[str]) -> dict:
         "overlaid_ppl": ppl.get("overlaid", NAN),
         "exported_ppl": ppl.get("exported", NAN),
         "backbone_ppl": ppl.get("backbone", NAN),
+        **_task_of(report.get("task")),
         "params_after": report.get("parameters", {}).get("after", NAN),
         "seconds": report.get("seconds", {}).get("total", NAN),
+    }
+
+
+def _task_of(task) -> dict:
+    """The export's and the backbone's pass@1 from report.json's ``task`` (NaN: no task)."""
+    if not isinstance(task, dict):
+        return {"pass_at_1": NAN, "backbone_pass_at_1": NAN}
+    base = task.get("backbone") or {}
+    return {
+        "pass_at_1": _float((task.get("exported") or {}).get("pass_at_1", NAN)),
+        "backbone_pass_at_1": _float(base.get("pass_at_1", NAN)),
     }
 
 

@@ -165,7 +165,11 @@ def sweep_figure(rows: list[dict], swept: list[str]) -> Figure:
     groups: dict[tuple[float, float], list[dict]] = {}
     for r in ok:
         groups.setdefault((round(100 * r["pruned"], 4), round(r["exported_ppl"], 4)), []).append(r)
-    fig, ax = plt.subplots(figsize=(8.4, 4.4), layout="constrained")
+    skill = [r for r in ok if math.isfinite(r.get("pass_at_1", math.nan))]
+    if skill:  # a task: pass@1 beside the perplexity, the same marker for the same job
+        fig, (ax, task_ax) = plt.subplots(1, 2, figsize=(12.4, 4.4), layout="constrained")
+    else:
+        fig, ax = plt.subplots(figsize=(8.4, 4.4), layout="constrained")
     cmap = plt.get_cmap("viridis" if len(groups) > 10 else "tab10")
     for i, ((x, y), members) in enumerate(sorted(groups.items())):
         color = cmap(i / max(1, len(groups) - 1)) if len(groups) > 10 else cmap(i % 10)
@@ -173,6 +177,17 @@ def sweep_figure(rows: list[dict], swept: list[str]) -> Figure:
         if len(members) > 1:
             label += " (same result)"
         ax.plot([x], [y], "o", ms=8, mec="white", alpha=0.9, color=color, label=label)
+        if skill:
+            passes = [
+                r["pass_at_1"] for r in members if math.isfinite(r.get("pass_at_1", math.nan))
+            ]
+            task_ax.plot([x] * len(passes), passes, "o", ms=8, mec="white", color=color)
+    if skill:
+        bases = [r["backbone_pass_at_1"] for r in skill]
+        if bases and math.isfinite(bases[0]):
+            task_ax.axhline(bases[0], color="gray", ls="--")
+        task_ax.set(xlabel="pruned FFN neurons after alignment (%)", ylabel="exported pass@1")
+        task_ax.set_ylim(bottom=0)
     backbones = [r["backbone_ppl"] for r in rows if math.isfinite(r.get("backbone_ppl", math.nan))]
     if backbones:
         ax.axhline(backbones[0], color="gray", ls="--", label=f"backbone {backbones[0]:.3f}")
