@@ -436,3 +436,28 @@ def test_a_sweep_directory_holding_something_else_is_refused(tmp_path, capsys):
     assert (tmp_path / "notes.txt").read_text() == "mine"
     assert directory.relaunch(["model=tiny", "phase_b.lr=1e-4"]) is None  # no resume=
     assert directory.relaunch([f"resume={tmp_path}"]) is None  # a run directory, not a sweep
+
+
+@pytest.mark.bake
+def test_numbered_folders_that_are_not_a_bake_sweeps_jobs_are_never_written_into(
+    tmp_path, docs_dir, capsys
+):
+    """A ``hydra.sweep.dir`` holding the user's ``0/`` (no multirun.yaml, no bake record in
+    it) is refused before anything is written, and the user's files stay."""
+    from conftest import run_bake, tiny_args
+
+    data = tmp_path / "data"
+    (data / "0" / "model").mkdir(parents=True)
+    (data / "0" / "model" / "important.txt").write_text("precious")
+    args = tiny_args(tmp_path / "out", docs_dir, "tracking.enabled=false", "phase_a=flap")
+    assert run_bake(["-m", *args, f"hydra.sweep.dir={data}", "phase_a.target_sparsity=0.2"]) != 0
+    err = capsys.readouterr().err
+    assert "0/ is not a job of a bake sweep" in err and "wrote nothing" in err
+    assert (data / "0" / "model" / "important.txt").read_text() == "precious"
+    assert sorted(p.name for p in data.rglob("*")) == ["0", "important.txt", "model"]
+    # beside a real sweep's record too: a numbered folder without a bake record is not its job
+    (data / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    task: []\n    hydra: []\nphase_a: {}\n"
+    )
+    with pytest.raises(directory.BakeError, match="no bake_run.json in it"):
+        directory.check([], data)

@@ -107,6 +107,14 @@ def check(task: list[str], sweep_dir: Path) -> bool:
     earlier = read(sweep_dir)
     if foreign or (earlier is None and SWEEP_FILE in entries):
         check_new_dir(sweep_dir, "hydra.sweep.dir")  # names what is there
+    jobs = [e for e in entries if e.isdigit()]
+    strangers = [e for e in jobs if earlier is None or not _own_job(sweep_dir / e)]
+    if strangers:  # numbered folders that are not this sweep's jobs: never written into
+        why = f"no {SWEEP_FILE} beside it" if earlier is None else f"no {RECORD} in it"
+        raise BakeError(
+            f"hydra.sweep.dir={sweep_dir}: {strangers[0]}/ is not a job of a bake sweep ({why}); "
+            f"bake continues only its own sweeps and wrote nothing: pick another hydra.sweep.dir"
+        )
     running = holder(sweep_dir)
     if running is not None:
         raise BakeError(
@@ -122,6 +130,19 @@ def check(task: list[str], sweep_dir: Path) -> bool:
         )
     _set_aside_failures(sweep_dir)
     return True
+
+
+# What Hydra and bake leave in a job's folder before its bake writes its record
+_JOB_START = {".hydra", "bake.log", LOCK}
+
+
+def _own_job(job: Path) -> bool:
+    """Whether ``job`` (``<sweep dir>/<n>``) is a job bake started: its record, or only what
+    Hydra and bake write before the record (a job stopped as it started)."""
+    if not job.is_dir() or job.is_symlink():
+        return False
+    names = {p.name for p in job.iterdir()}
+    return RECORD in names or names <= _JOB_START
 
 
 def _set_aside_failures(sweep_dir: Path) -> None:
