@@ -82,3 +82,33 @@ def test_a_teacher_that_cannot_teach_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate(compose(["phase_b.distill=1", f"phase_b.teacher={run}"]))
     assert "its export trimmed the vocabulary (export.vocab=task)" in str(err.value)
+
+
+@pytest.mark.bake
+def test_a_damaged_dense_teacher_is_named_and_trained_again(tmp_path, docs_dir):
+    """The cached dense teacher is sealed like every cache entry: bytes changed under it are
+    found, named, and the teacher is trained again (the same figures), never reused."""
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE)) == 0
+    first = report(last_run(tmp_path))["phase_b"]["teacher"]
+    (cached,) = (tmp_path / "cache" / "teachers").glob("*.safetensors")
+    data = bytearray(cached.read_bytes())
+    header = 8 + int.from_bytes(data[:8], "little")
+    data[header:] = bytes(len(data) - header)  # every tensor zeroed, the header intact
+    cached.write_bytes(bytes(data))
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE)) == 0
+    second = report(last_run(tmp_path))["phase_b"]["teacher"]
+    log = (last_run(tmp_path) / "bake.log").read_text()
+    assert f"cache: {cached} is corrupt" in log and "training the dense teacher" in log
+    assert second["reused"] is False and second["held_ppl"] == first["held_ppl"]
+    cached.write_bytes(cached.read_bytes()[:100])  # truncated: the same
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE)) == 0
+    assert report(last_run(tmp_path))["phase_b"]["teacher"]["reused"] is False
+
+
+@pytest.mark.bake
+def test_the_dense_teacher_of_a_looped_stack_is_not_the_one_pass_teacher(tmp_path, docs_dir):
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE)) == 0
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE, "model.loops=2")) == 0
+    looped = report(last_run(tmp_path))["phase_b"]["teacher"]
+    assert looped["reused"] is False
+    assert len(list((tmp_path / "cache" / "teachers").glob("*.safetensors"))) == 2

@@ -34,6 +34,7 @@ from bake.memory import measure
 from bake.models import families
 from bake.models.stack import FfnOverride
 from bake.ranks import rank_zero
+from bake.storage import cache
 from bake.storage.cache import building, code_digest, digest
 
 if TYPE_CHECKING:
@@ -139,6 +140,9 @@ def dense_key(ctx: RunContext) -> str:
     return digest(
         {
             "model": ctx.model.key,
+            # the stack it runs: the model key names the weights, not how often they loop
+            "loops": s.meta.loops,
+            "loop_norm": s.meta.loop_norm,
             "corpus": ctx.corpus.content_key,
             "seed": s.seed,
             "phase_b": {
@@ -166,8 +170,13 @@ def dense_key(ctx: RunContext) -> str:
 def _dense(ctx: RunContext) -> Teacher:
     """The equal-budget dense fine-tune: from the cache, or trained and cached."""
     path = ctx.cache / "teachers" / f"{ctx.settings.model.name}-{dense_key(ctx)}.safetensors"
+    if path.is_dir() or path.is_symlink():  # said before the teacher trains, not after
+        raise BakeError(
+            f"phase_b.teacher=dense: {path}, where the dense teacher is cached, is "
+            f"{'a directory' if path.is_dir() else 'a link'}; move it away and run again"
+        )
     with building(path):
-        cached = _load(path, ctx.device)
+        cached = cache.read(path, lambda p: _load(p, ctx.device))  # sealed: a damaged one rebuilt
         if cached is not None:
             cached.info["reused"] = True
             log.info(
@@ -187,6 +196,7 @@ def _dense(ctx: RunContext) -> Teacher:
         teacher = _train_dense(ctx)
         if rank_zero():
             _save(path, teacher)
+            cache.seal(path)
         teacher.info["reused"] = False
         return teacher
 
@@ -258,11 +268,9 @@ def _save(path: Path, teacher: Teacher) -> None:
         save_file(tensors, str(tmp), metadata={"info": json.dumps(teacher.info)})
 
 
-def _load(path: Path, device: torch.device) -> Teacher | None:
+def _load(path: Path, device: torch.device) -> Teacher:
     from safetensors import safe_open
 
-    if not path.is_file():
-        return None
     with safe_open(str(path), framework="pt") as sf:
         info = json.loads((sf.metadata() or {})["info"])
         ffn: dict = {}
