@@ -461,3 +461,43 @@ def test_numbered_folders_that_are_not_a_bake_sweeps_jobs_are_never_written_into
     )
     with pytest.raises(directory.BakeError, match="no bake_run.json in it"):
         directory.check([], data)
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize(
+    "setting",
+    [
+        "hydra/launcher=bake_local hydra.launcher.parallel=-1",
+        "hydra/launcher=bake_local hydra.launcher.timeout_min=0",
+        "hydra/launcher=submitit_local hydra.launcher.mem_gb=-1",
+        "hydra/launcher=submitit_local hydra.launcher.cpus_per_task=0",
+        "hydra/launcher=submitit_local hydra.launcher.tasks_per_node=0",
+    ],
+)
+def test_a_launcher_setting_out_of_range_is_refused_before_the_sweep_starts(
+    tmp_path, capsys, setting
+):
+    from conftest import run_bake
+
+    sweep = tmp_path / "sweep"
+    args = ["-m", "model=tiny", "tracking.enabled=false", f"paths.outputs={tmp_path / 'o'}"]
+    assert run_bake([*args, f"hydra.sweep.dir={sweep}", *setting.split()]) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bake:")]
+    key = setting.split()[1].split("=")[0]
+    assert len(err) == 1 and f"{key}=" in err[0] and "must be a number >=" in err[0]
+    assert not sweep.exists() and not (tmp_path / "o").exists()
+
+
+@pytest.mark.cli
+def test_a_slurm_launcher_off_a_cluster_is_refused_in_one_line(tmp_path, capsys):
+    import shutil
+
+    from conftest import run_bake
+
+    if shutil.which("sbatch"):
+        pytest.skip("this machine has SLURM: the launcher is allowed here")
+    sweep = tmp_path / "sweep"
+    args = ["-m", "hydra/launcher=bake_slurm", "model=tiny", f"hydra.sweep.dir={sweep}"]
+    assert run_bake([*args, f"paths.outputs={tmp_path / 'o'}"]) == 2
+    err = capsys.readouterr().err
+    assert "SLURM is not here" in err and "Traceback" not in err and not sweep.exists()

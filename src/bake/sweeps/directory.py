@@ -236,6 +236,11 @@ class SweepGuard(Callback):
                 f"by one, or sweep with a cluster launcher and one device each",
                 code=2,
             )
+        from bake.sweeps.launchers import launcher_problem
+
+        wrong = launcher_problem(config.hydra.launcher)
+        if wrong:
+            refuse(wrong, code=2)
         sweep_dir = Path(str(config.hydra.sweep.dir)).expanduser()
         self._sweep_dir = sweep_dir
         try:
