@@ -336,3 +336,44 @@ def test_the_learning_rate_probe_trains_each_rate_as_its_own_bake_and_ships_the_
     assert shipped.keys() == want.keys()
     for name in want:
         assert torch.equal(shipped[name], want[name]), name
+
+
+PROBE = ["phase_b.lr_probe=[1,0.3]", "phase_b.lr_probe_steps=2", "tracking.enabled=false"]
+
+
+@pytest.mark.bake
+def test_an_unreadable_probe_choice_is_named_and_the_probe_runs_again(tmp_path, docs_dir):
+    """A resume meeting a damaged ``checkpoints/phase_b/lr_probe.json`` probes again, with one
+    warning naming the file, and finishes."""
+    from conftest import interrupt, last_run, report, run_bake, tiny_args
+
+    args = tiny_args(tmp_path / "out", docs_dir, *PROBE)
+    assert run_bake([*args, interrupt("b", 4)]) == 130
+    run = last_run(tmp_path / "out")
+    choice = run / "checkpoints" / "phase_b" / "lr_probe.json"
+    assert choice.is_file()
+    choice.write_text('{"rates": [1e-4, 3e-5], "lr":')  # cut short
+    assert run_bake([*args, f"resume={run}"]) == 0
+    log = (run / "bake.log").read_text()
+    assert f"{choice} cannot be read (JSONDecodeError" in log and "probe runs again" in log
+    assert report(run)["phase_b"]["lr_probe"]["rates"] == [1e-4, 3e-5]
+
+
+@pytest.mark.bake
+def test_a_probe_whose_every_rate_diverges_stops_before_phase_b_trains(tmp_path, docs_dir, capsys):
+    from conftest import last_run, run_bake, tiny_args
+
+    rates = ["phase_b.lr_probe=[1e30,1e20]", "phase_b.lr_probe_steps=2", "tracking.enabled=false"]
+    assert run_bake(tiny_args(tmp_path / "out", docs_dir, *rates)) == 1
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bake:")]
+    assert len(err) == 1 and "phase_b.lr_probe=[1e+30, 1e+20]: every learning rate" in err[0]
+    assert not (last_run(tmp_path / "out") / "report.json").exists()
+
+
+@pytest.mark.cli
+def test_a_probe_listing_a_fraction_twice_is_refused(tmp_path, capsys):
+    from conftest import run_bake
+
+    args = ["model=tiny", "phase_b.lr_probe=[1,1,1]", f"paths.outputs={tmp_path}"]
+    assert run_bake(args) == 2
+    assert "phase_b.lr_probe=[1.0, 1.0, 1.0]: lists a fraction twice" in capsys.readouterr().err

@@ -54,6 +54,12 @@ def _ranges(cfg, problems: list[str]) -> None:
         "must be finite fractions > 0 of phase_b.lr (for example [1,0.3,0.1]; []: no probe)",
     )
     need(
+        len(set(b.lr_probe)) == len(b.lr_probe),
+        "phase_b.lr_probe",
+        list(b.lr_probe),
+        "lists a fraction twice: each rate would train the same steps again; list each once",
+    )
+    need(
         len(b.lr_probe) != 1,
         "phase_b.lr_probe",
         list(b.lr_probe),

@@ -43,6 +43,26 @@ def winner(results: list[float]) -> int:
     )
 
 
+def _saved(path: Path) -> dict | None:
+    """The probe's earlier choice in ``path``; None when there is none, or when the file cannot
+    be read (one warning naming it: the probe runs again)."""
+    if not path.is_file():
+        return None
+    try:
+        info = json.loads(path.read_text())
+        if not isinstance(info, dict) or not math.isfinite(float(info["lr"])):
+            raise ValueError("not a learning rate probe's record")
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        log.warning(
+            "[B] %s cannot be read (%s: %s); the learning rate probe runs again",
+            path,
+            type(exc).__name__,
+            exc,
+        )
+        return None
+    return info
+
+
 def choose_lr(
     settings: PhaseBSettings,
     trainer_conf: TrainerConf,
@@ -61,11 +81,10 @@ def choose_lr(
     rates = [settings.lr * f for f in settings.lr_probe]
     steps = min(settings.lr_probe_steps, settings.steps)
     saved = folder / CHOICE
-    if saved.is_file():  # a resumed bake: the rate it chose before
-        info = json.loads(saved.read_text())
-        if info.get("rates") == rates and info.get("steps") == steps:
-            log.info("[B] learning rate %.3g, chosen by this bake's probe before", info["lr"])
-            return replace(settings, lr=float(info["lr"])), info
+    info = _saved(saved)  # a resumed bake: the rate it chose before
+    if info is not None and info.get("rates") == rates and info.get("steps") == steps:
+        log.info("[B] learning rate %.3g, chosen by this bake's probe before", info["lr"])
+        return replace(settings, lr=float(info["lr"])), info
     results: list[float] = []
     for i, lr in enumerate(rates):
         trial = replace(settings, lr=lr, baseline=math.inf)
@@ -83,6 +102,12 @@ def choose_lr(
         measure.collect()
         reset()
         shutil.rmtree(where, ignore_errors=True)
+    if not any(math.isfinite(r) for r in results):
+        raise TrainingDiverged(
+            f"phase_b.lr_probe={list(settings.lr_probe)}: every learning rate it tried "
+            f"({', '.join(f'{lr:.3g}' for lr in rates)} x phase_b.lr) diverged within {steps} "
+            f"steps, so Phase B does not train; lower phase_b.lr or list smaller fractions"
+        )
     best = winner(results)
     info = {
         "rates": rates,
