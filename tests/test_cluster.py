@@ -501,3 +501,51 @@ def test_a_slurm_launcher_off_a_cluster_is_refused_in_one_line(tmp_path, capsys)
     assert run_bake([*args, f"paths.outputs={tmp_path / 'o'}"]) == 2
     err = capsys.readouterr().err
     assert "SLURM is not here" in err and "Traceback" not in err and not sweep.exists()
+
+
+@pytest.mark.bake
+@pytest.mark.parametrize("lost", ["journal removed", "study renamed"])
+def test_a_search_whose_study_is_lost_never_credits_old_results_to_new_settings(
+    tmp_path, docs_dir, capsys, lost
+):
+    sweep = tmp_path / "search"
+    args = ["-m", "hydra/sweeper=bake_search", *tiny_args(tmp_path / "out", docs_dir, NO_TRACKING)]
+    assert run_bake([*args, "hydra.sweeper.n_trials=1", f"hydra.sweep.dir={sweep}"]) == 0
+    if lost == "journal removed":
+        (sweep / "optuna.journal").unlink()
+        again = [f"resume={sweep}", "hydra.sweeper.seed=5"]
+    else:
+        again = [f"resume={sweep}", "hydra.sweeper.study_name=other"]
+    before = sorted(p.name for p in sweep.rglob("*"))
+    capsys.readouterr()
+    assert run_bake(again) == 2
+    err = [line for line in capsys.readouterr().err.splitlines() if line.startswith("bake:")]
+    assert len(err) == 1 and "holds 1 job(s) of a search whose study" in err[0], err
+    assert sorted(p.name for p in sweep.rglob("*")) == before  # nothing written
+
+
+@pytest.mark.bake
+def test_a_finished_job_asked_for_other_settings_is_not_reused(tmp_path, docs_dir, monkeypatch):
+    """The job-level rule under the search's: a finished bake's value goes back to a sweeper
+    only for the settings it was made with."""
+    from conftest import compose
+
+    from bake.errors import BakeError
+    from bake.run import job
+
+    assert run_bake(tiny_args(tmp_path / "out", docs_dir, NO_TRACKING)) == 0
+    run = next((tmp_path / "out" / "runs").glob("*/*"))
+    cfg = compose(tiny_args(tmp_path / "out", docs_dir, NO_TRACKING, "phase_b.lr=0.0003"))
+    with pytest.raises(BakeError, match=r"phase_b.lr: 0.0001 -> 0.0003"):
+        job._finished(run, cfg)
+    same = compose(tiny_args(tmp_path / "out", docs_dir, NO_TRACKING))
+    assert job._finished(run, same) == report(run)["perplexity"]["exported"]
+
+
+@pytest.mark.cli
+def test_a_search_of_no_trials_is_refused_before_anything_is_made(tmp_path, capsys):
+    sweep, out = tmp_path / "search", tmp_path / "out"
+    args = ["-m", "hydra/sweeper=bake_search", "model=tiny", f"paths.outputs={out}"]
+    assert run_bake([*args, "hydra.sweeper.n_trials=0", f"hydra.sweep.dir={sweep}"]) == 2
+    assert "hydra.sweeper.n_trials=0" in capsys.readouterr().err
+    assert not sweep.exists() and not out.exists()  # no directory, no MLflow parent

@@ -62,19 +62,35 @@ def run_job(cfg) -> float:
         guard.release(run_dir)
 
 
-def _finished(run_dir: Path) -> float | None:
+def _finished(run_dir: Path, cfg=None) -> float | None:
     """The exported held-out perplexity of a run that already finished (its report written),
-    else None."""
+    else None. With ``cfg`` (a sweep's job), the value is reused only for the settings it was
+    made with: BakeError naming the keys that differ (a search whose study was lost would ask
+    other settings of the same job folder)."""
     import json
 
-    from bake.run.record import RECORD
+    from bake.config.schema import resolved
+    from bake.run.record import RECORD, comparable
 
     try:
-        status = json.loads((run_dir / RECORD).read_text()).get("status")
+        record = json.loads((run_dir / RECORD).read_text())
         report = json.loads((run_dir / "report.json").read_text())
-        return float(report["perplexity"]["exported"]) if status == "FINISHED" else None
-    except (OSError, ValueError, KeyError, TypeError):
+        value = float(report["perplexity"]["exported"])
+        if record.get("status") != "FINISHED":
+            return None
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return None
+    if cfg is not None:
+        mine, theirs = comparable(resolved(cfg)), record.get("config") or {}
+        keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        if keys:
+            diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in keys[:4])
+            raise BakeError(
+                f"{run_dir} finished with other settings than this job asks ({diff}); its "
+                f"result is not reused for them: continue the sweep with its own settings (a "
+                f"search with its own study), or pick another hydra.sweep.dir"
+            )
+    return value
 
 
 def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
@@ -84,7 +100,11 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         # an earlier launch of this sweep started this job (the sweep continues, or a cluster
         # requeued the job): continue its bake exactly, as resume=<run dir> does
         cfg.resume = str(run_dir)
-    done = _finished(run_dir) if cfg.resume else None
+    try:
+        done = _finished(run_dir, cfg if multirun else None) if cfg.resume else None
+    except BakeError as exc:
+        print(f"bake: {exc}", file=sys.stderr)
+        return _failed(hc, str(exc))
     if done is not None:  # nothing to continue: left as it is, its value to a sweeper
         print(
             f"bake: {run_dir} has finished (exported held-out perplexity {done:.4f}); nothing "

@@ -19,6 +19,7 @@ from hydra.experimental.callback import Callback
 
 from bake.errors import BakeError
 from bake.run.record import LOCK, RECORD, free
+from bake.sweeps.checks import launcher_problem, sweeper_problem
 
 SWEEP_FILE = "multirun.yaml"  # Hydra's record of the sweep: its config and overrides
 FAILED = "failed_jobs.jsonl"  # bake.tracking.failures
@@ -236,9 +237,9 @@ class SweepGuard(Callback):
                 f"by one, or sweep with a cluster launcher and one device each",
                 code=2,
             )
-        from bake.sweeps.launchers import launcher_problem
-
         wrong = launcher_problem(config.hydra.launcher)
+        if "BakeSearch" in str(config.hydra.sweeper.get("_target_", "")):
+            wrong = wrong or sweeper_problem(config.hydra.sweeper)
         if wrong:
             refuse(wrong, code=2)
         sweep_dir = Path(str(config.hydra.sweep.dir)).expanduser()

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bake.errors import BakeError
+from bake.sweeps.checks import sweeper_problem
 from bake.sweeps.directory import STUDY, SWEEP_FILE
 
 if TYPE_CHECKING:
@@ -117,6 +118,51 @@ def study_storage(storage: str | None, sweep_dir: Path):
     return JournalStorage(JournalFileBackend(str(sweep_dir / STUDY)))
 
 
+def _check_study(c, sweep_dir: Path) -> None:
+    """A search continues only with the study that made its jobs: jobs in the sweep directory
+    with no study of ``hydra.sweeper.study_name`` to hold their trials (its journal lost,
+    renamed, or another name given) would have their results credited to other settings; a
+    journal that cannot be read is named, and left as it is."""
+    import optuna
+    from optuna.exceptions import OptunaError
+
+    from bake.run.record import RECORD
+
+    jobs = (
+        sorted(
+            (p.name for p in sweep_dir.iterdir() if p.name.isdigit() and (p / RECORD).is_file()),
+            key=int,
+        )
+        if sweep_dir.is_dir()
+        else []
+    )
+    journal = sweep_dir / STUDY
+    if c.storage is None and not journal.exists():
+        trials = None
+    else:
+        where = c.storage or str(journal)
+        try:
+            study = optuna.load_study(
+                study_name=c.study_name, storage=study_storage(c.storage, sweep_dir)
+            )
+            trials = len(study.get_trials(deepcopy=False))
+        except KeyError:  # no study of that name
+            trials = None
+        except (OptunaError, AssertionError, ValueError, OSError) as exc:
+            raise BakeError(
+                f"{where}: the search's study cannot be read ({type(exc).__name__}: "
+                f"{str(exc)[:200]}); nothing was written to it: restore it, or start the search "
+                f"in another hydra.sweep.dir"
+            ) from None
+    if jobs and not trials:
+        raise BakeError(
+            f"hydra.sweep.dir={sweep_dir} holds {len(jobs)} job(s) of a search whose study "
+            f"'{c.study_name}' is not in {c.storage or journal}: their results would be credited "
+            f"to other settings; restore the study (or its hydra.sweeper.study_name), or start "
+            f"the search in another hydra.sweep.dir"
+        )
+
+
 def make_sampler(name: str, seed: int):
     from optuna.samplers import RandomSampler, TPESampler
 
@@ -150,11 +196,9 @@ class Search:
         from omegaconf import OmegaConf
 
         c = self.conf
-        if c.n_trials < 1 or c.n_jobs < 1:
-            raise BakeError(
-                f"hydra.sweeper.n_trials={c.n_trials}, hydra.sweeper.n_jobs={c.n_jobs}: both "
-                f"must be >= 1"
-            )
+        wrong = sweeper_problem(c)
+        if wrong:
+            raise BakeError(wrong)
         lines = [f"{k}={v}" for k, v in (c.params or {}).items()] + list(arguments)
         fixed, dists = space(lines)
         if not dists:
@@ -164,9 +208,10 @@ class Search:
                 "hydra.sweeper.params=null (the preset's search)"
             )
         sweep_dir = Path(str(self.config.hydra.sweep.dir))
+        optuna.logging.set_verbosity(optuna.logging.WARNING)  # bake says what each trial did
+        _check_study(c, sweep_dir)  # before anything is written into the sweep directory
         sweep_dir.mkdir(parents=True, exist_ok=True)
         OmegaConf.save(self.config, sweep_dir / SWEEP_FILE)
-        optuna.logging.set_verbosity(optuna.logging.WARNING)  # bake says what each trial did
         study = optuna.create_study(
             study_name=c.study_name,
             storage=study_storage(c.storage, sweep_dir),
