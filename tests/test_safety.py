@@ -506,3 +506,24 @@ def test_ctrl_c_at_start_up_is_never_swallowed(tmp_path, docs_dir, delay):
     _, err = proc.communicate(timeout=120)
     assert proc.returncode == 130, err[-2000:]
     assert "bake: interrupted" in err and "Traceback" not in err
+
+
+def test_what_bake_writes_atomically_has_the_umasks_permissions(tmp_path):
+    """A cache entry, masks.safetensors, bake_run.json: readable by whoever may read the
+    user's other files (mkstemp's private 0600 is not kept)."""
+    import os
+    import stat
+
+    from bake.storage.files import atomic_write
+
+    old = os.umask(0o022)
+    try:
+        with atomic_write(tmp_path / "entry.json") as tmp:
+            tmp.write_text("{}")
+        os.umask(0o077)
+        with atomic_write(tmp_path / "private.json") as tmp:
+            tmp.write_text("{}")
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "entry.json").stat().st_mode) == 0o644
+    assert stat.S_IMODE((tmp_path / "private.json").stat().st_mode) == 0o600

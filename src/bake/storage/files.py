@@ -31,6 +31,8 @@ def atomic_write(path: Path) -> Iterator[Path]:
     tmp = Path(name)
     try:
         yield tmp
+        if tmp.exists():  # mkstemp makes it private; the result is as any file the user writes
+            tmp.chmod(0o666 & ~_umask())
         os.replace(tmp, path)
     finally:
         tmp.unlink(missing_ok=True)
