@@ -341,3 +341,24 @@ def test_the_learning_rate_probe_is_refused_where_it_cannot_choose_naming_why():
             validate(compose(["model=tiny", "phase_b.lr_probe=[1,0.1]", override]))
         assert override.split("=")[0] in str(err.value) and words in str(err.value), override
     validate(compose(["model=tiny", "phase_b.lr_probe=[1,0.3,0.1]", "phase_b.steps=5"]))
+
+
+def test_what_a_model_recipe_set_is_named_less_what_the_command_line_set():
+    from bake.config.layout import recipe_values
+
+    assert recipe_values("qwen2_5_coder", ["phase_b.steps=30"]) == {
+        "corpus.calib_chunks": 96,
+        "phase_b.ls_chunks": 48,
+    }
+    assert recipe_values(None, []) == {}
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize("value", ["qwen2_5_codr", "null"])
+def test_a_model_recipe_that_does_not_exist_is_refused(tmp_path, capsys, value):
+    from conftest import run_bake
+
+    assert run_bake(["model=tiny", f"model_recipe={value}", f"paths.outputs={tmp_path}"]) == 2
+    err = capsys.readouterr().err
+    assert f"model_recipe={value}: no such recipe (there are: qwen2_5_coder)" in err
+    assert "Traceback" not in err and not (tmp_path / "runs").exists()

@@ -57,6 +57,22 @@ def _choices(args: list[str]) -> str | None:
     return None
 
 
+def _recipe(args: list[str]) -> str | None:
+    """A ``model_recipe=`` override naming no recipe under conf/model_recipe/ (Hydra would
+    ignore a misspelt optional group, and fail on null with a traceback), as one line."""
+    for arg in args:
+        key, eq, value = arg.partition("=")
+        if key.lstrip("+") != "model_recipe" or not eq:
+            continue
+        names = sorted(p.stem for p in (conf_dir() / "model_recipe").glob("*.yaml"))
+        if value.strip("'\"") not in names:
+            return (
+                f"model_recipe={value}: no such recipe (there are: {', '.join(names)}); a model "
+                f"picks its own recipe, and `~model_recipe` runs it without one"
+            )
+    return None
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run bake with command-line ``argv`` in this process; returns the exit code."""
     if not (conf_dir() / CONFIG_NAME).is_file():
@@ -77,7 +93,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if again is not None:
         args = again
-    wrong = _choices(args)
+    wrong = _choices(args) or _recipe(args)
     if wrong:  # Hydra's own error is six lines and exit 1 for what is a configuration error
         print(f"bake: {wrong}", file=sys.stderr)
         return 2

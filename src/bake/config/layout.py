@@ -32,3 +32,27 @@ def conf_dir() -> Path:
     if root is not None and (root / "conf" / CONFIG_NAME).is_file():
         return root / "conf"
     return packaged  # missing: __main__ says so in one line
+
+
+def recipe_values(name: str | None, given: list[str]) -> dict:
+    """What the model recipe ``conf/model_recipe/<name>.yaml`` set: its dotted keys and values,
+    less those the command line's overrides ``given`` set (they win over a recipe)."""
+    if not name:
+        return {}
+    import yaml
+
+    path = conf_dir() / "model_recipe" / f"{name}.yaml"
+    if not path.is_file():
+        return {}
+    data = yaml.safe_load(path.read_text()) or {}
+    data.pop("defaults", None)
+
+    def flat(node, prefix: str = "") -> dict:
+        if isinstance(node, dict):
+            return {
+                k: v for key, val in node.items() for k, v in flat(val, f"{prefix}{key}.").items()
+            }
+        return {prefix[:-1]: node}
+
+    keys = {o.split("=", 1)[0].lstrip("+~") for o in given}
+    return {k: v for k, v in flat(data).items() if k not in keys}

@@ -58,6 +58,7 @@ class RunContext:
     bpb: dict = field(default_factory=dict)  # split -> the backbone's bits per byte
     trim: Trim | None = None  # the task-trimmed vocabulary the export writes (export.vocab)
     ignored: list = field(default_factory=list)  # command-line keys nothing reads
+    recipe: dict | None = None  # the model recipe and the values it set (conf/model_recipe/)
     plan: dict | None = None  # the memory plan made before loading (bake.memory.budget)
 
     @property

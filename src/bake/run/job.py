@@ -158,12 +158,16 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             raise
         sys.exit(console.interrupt_code())
     try:
+        from bake.config.layout import recipe_values
         from bake.config.unused import ignored
         from bake.run.pipeline import bake
 
         console.setup()  # log lines around the progress bars; no library bars or chatter
         overrides = list(getattr(getattr(hc, "overrides", None), "task", None) or [])
-        return bake(settings, run_dir, hc, plan, ignored(cfg, overrides, meta))
+        name = (getattr(getattr(hc, "runtime", None), "choices", None) or {}).get("model_recipe")
+        values = recipe_values(name, overrides)
+        recipe = {"name": name, "set": values} if values else None
+        return bake(settings, run_dir, hc, plan, ignored(cfg, overrides, meta), recipe)
     except BakeError as exc:
         if isinstance(exc, StoreUnavailable):  # the training so far stays: say how to go on
             exc = StoreUnavailable(f"{exc}, then continue with {resume_arg(run_dir)}")

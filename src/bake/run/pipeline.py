@@ -39,10 +39,13 @@ def bake(
     hc,
     plan: Plan | None = None,
     ignored: Sequence[Unused] = (),
+    recipe: dict | None = None,
 ) -> float:
     """Run one bake; returns the exported model's held-out perplexity. ``plan``: its memory
     plan, logged and reported beside the measured peaks; ``ignored``: the command line's keys
-    nothing reads (:func:`bake.config.unused.ignored`), one warning line each."""
+    nothing reads (:func:`bake.config.unused.ignored`), one warning line each; ``recipe``: the
+    model recipe's name and the values it set (one log line, report.json's
+    ``settings.recipe``)."""
     from bake.tracking.sweep import open_tracker
 
     rank0 = rank_zero()
@@ -58,9 +61,16 @@ def bake(
                 log.info("%s", plan.line())
             for u in ignored:
                 log.warning("%s", u.line())
+            if recipe:
+                log.info(
+                    "model recipe %s (conf/model_recipe/): %s; the command line overrides them",
+                    recipe["name"],
+                    ", ".join(f"{k}={v}" for k, v in recipe["set"].items()),
+                )
         ctx = RunContext(settings, Path(run_dir), record, tracker)
         ctx.plan = plan.as_dict() if plan is not None else None
         ctx.ignored = [u.as_dict() for u in ignored]
+        ctx.recipe = recipe
         value = _stages(ctx)
         status = "FINISHED"
         return value

@@ -65,7 +65,7 @@ def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
         "memory": ctx.memory.summary(),
         "memory_plan": ctx.plan,
         "artifact": str(ctx.run_dir / "model"),
-        "settings": {"ignored": list(ctx.ignored)},
+        "settings": {"ignored": list(ctx.ignored), "recipe": ctx.recipe},
         "config": s.config,
     }
 
