@@ -68,6 +68,10 @@ def test_a_finished_bake_teaches_with_its_exported_ffn(tmp_path, docs_dir):
     teacher = report(last_run(tmp_path / "second"))["phase_b"]["teacher"]
     assert teacher["kind"] == "run" and teacher["run"] == str(run)
     assert teacher["widths"] == widths and max(widths) < 160  # the pruned export's (tiny: 160)
+    # the same export for a looped student: refused before anything trains, naming the loops
+    looped = tiny_args(tmp_path / "third", docs_dir, *args, "model=tiny_looped")
+    with pytest.raises(ConfigError, match=r"this bake's model loops \(model.loops=2\)"):
+        validate(compose(looped))
 
 
 def test_a_teacher_that_cannot_teach_is_refused_naming_the_setting(tmp_path):
@@ -82,6 +86,12 @@ def test_a_teacher_that_cannot_teach_is_refused_naming_the_setting(tmp_path):
     with pytest.raises(ConfigError) as err:
         validate(compose(["phase_b.distill=1", f"phase_b.teacher={run}"]))
     assert "its export trimmed the vocabulary (export.vocab=task)" in str(err.value)
+    for damaged in ("{not json", "[1, 2]"):
+        (run / "report.json").write_text(damaged)
+        with pytest.raises(ConfigError) as err:
+            validate(compose(["phase_b.distill=1", f"phase_b.teacher={run}"]))
+        assert f"phase_b.teacher={run}: {run / 'report.json'}" in str(err.value)
+        validate(compose([f"phase_b.teacher={run}"]))  # distill=0: the teacher is never read
 
 
 @pytest.mark.bake

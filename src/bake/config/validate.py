@@ -137,7 +137,8 @@ def _sources(cfg, problems: list[str]) -> None:
 
         problems += store_problems(cfg.tracking)
     teacher = str(cfg.phase_b.teacher)
-    if teacher not in ("backbone", "dense"):
+    reads_teacher = cfg.phase_b.enabled and cfg.phase_b.distill > 0  # else it is never read
+    if reads_teacher and teacher not in ("backbone", "dense"):
         if (problem := teacher_dir_problem(Path(teacher).expanduser())) is not None:
             problems.append(f"phase_b.teacher={teacher}: {problem}")
     if cfg.resume:
@@ -187,6 +188,40 @@ def _task(cfg, problems: list[str]) -> None:
         problems.extend(task_problems.failing_solutions(items, float(t.timeout_s), t.memory_gib))
 
 
+def _report(path: Path) -> dict | str:
+    """A run's report.json, or why it cannot be read."""
+    try:
+        rep = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        return f"{path} cannot be read ({type(exc).__name__}); pass a finished bake's run directory"
+    if not isinstance(rep, dict) or not isinstance(rep.get("model", {}), dict):
+        return f"{path} is not a bake's report; pass a finished bake's run directory"
+    return rep
+
+
+def teacher_model_problem(path: Path, key: str, loops: int) -> str | None:
+    """Why a finished bake in ``path`` cannot teach a bake of the model ``key`` running
+    ``loops`` passes (None: it can): the student loops, the teacher was baked from another
+    model, or with another loop count."""
+    rep = _report(path / "report.json")
+    if isinstance(rep, str):
+        return rep
+    model = rep.get("model") or {}
+    if loops > 1:
+        return (
+            f"this bake's model loops (model.loops={loops}) and a run directory's export holds "
+            f"one FFN per layer, not per visit; use phase_b.teacher=dense or backbone"
+        )
+    if model.get("key") != key:
+        return (
+            f"baked from model {model.get('key')}, this bake's backbone is {key}; a teacher must "
+            f"share the student's attention, embedding and head"
+        )
+    if int(model.get("loops") or 1) != loops:
+        return f"baked with model.loops={model.get('loops')}, this bake runs {loops}"
+    return None
+
+
 def teacher_dir_problem(path: Path) -> str | None:
     """Why ``path`` cannot be ``phase_b.teacher`` (None: it can): not a finished bake, or an
     export that trimmed the vocabulary (its logits would not be the student's)."""
@@ -196,7 +231,9 @@ def teacher_dir_problem(path: Path) -> str | None:
             "not 'backbone', 'dense' or a finished bake's run directory (no report.json and "
             "model/ in it); pass the directory a bake printed at its start"
         )
-    rep = json.loads(report.read_text())
+    rep = _report(report)
+    if isinstance(rep, str):
+        return rep
     mode = (rep.get("vocab") or {}).get("mode", "full")
     if mode != "full":
         return (
@@ -204,6 +241,21 @@ def teacher_dir_problem(path: Path) -> str | None:
             f"cover every token: use a bake with export.vocab=full"
         )
     return None
+
+
+def _teacher(cfg, meta: ModelMeta, problems: list[str]) -> None:
+    """A finished bake as the teacher: of this model, with its loop count (before training)."""
+    from bake.models.loader import model_key
+
+    teacher, b = str(cfg.phase_b.teacher), cfg.phase_b
+    if teacher in ("backbone", "dense") or not (b.enabled and b.distill > 0):
+        return
+    path = Path(teacher).expanduser()
+    if teacher_dir_problem(path) is not None:
+        return  # named already
+    key = model_key(cfg.model, cfg.paths.cache)
+    if (problem := teacher_model_problem(path, key, meta.loops)) is not None:
+        problems.append(f"phase_b.teacher={teacher}: {problem}")
 
 
 def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
@@ -427,6 +479,7 @@ def validate(cfg, multirun: bool = False) -> ModelMeta:
         problems.append(str(exc))
     if meta is not None:
         _shape(cfg, meta, problems)
+        _teacher(cfg, meta, problems)
     elif not cfg.phase_b.layers >= 1:
         problems.append(f"phase_b.layers={cfg.phase_b.layers}: must be >= 1")
     if problems:

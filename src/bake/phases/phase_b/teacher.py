@@ -87,24 +87,13 @@ def _from_run(ctx: RunContext, run: Path) -> Teacher:
     """The exported FFN of a finished bake of the same backbone."""
     from safetensors import safe_open
 
-    from bake.config.validate import teacher_dir_problem
+    from bake.config.validate import teacher_dir_problem, teacher_model_problem
 
-    problem = teacher_dir_problem(run)
+    stack = ctx.model.stack
+    problem = teacher_dir_problem(run) or teacher_model_problem(run, ctx.model.key, stack.loops)
     if problem is not None:
         raise BakeError(f"phase_b.teacher={run}: {problem}")
     rep = json.loads((run / "report.json").read_text())
-    key = (rep.get("model") or {}).get("key")
-    if key != ctx.model.key:
-        raise BakeError(
-            f"phase_b.teacher={run}: baked from model {key}, this bake's backbone is "
-            f"{ctx.model.key}; a teacher must share the student's attention, embedding and head"
-        )
-    stack = ctx.model.stack
-    if stack.loops > 1:
-        raise BakeError(
-            f"phase_b.teacher={run}: a looped model's export holds one FFN per visit; use "
-            f"phase_b.teacher=dense or backbone"
-        )
     family = families.get(stack.lm.config.model_type, "phase_b.teacher")
     found = 0  # tensors in the export's files, for the error below
     ffn: dict[int, tuple] = {}
