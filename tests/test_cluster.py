@@ -549,3 +549,14 @@ def test_a_search_of_no_trials_is_refused_before_anything_is_made(tmp_path, caps
     assert run_bake([*args, "hydra.sweeper.n_trials=0", f"hydra.sweep.dir={sweep}"]) == 2
     assert "hydra.sweeper.n_trials=0" in capsys.readouterr().err
     assert not sweep.exists() and not out.exists()  # no directory, no MLflow parent
+
+
+def test_a_sweep_job_with_a_damaged_record_says_how_to_run_it_again(tmp_path):
+    from bake.errors import BakeError
+    from bake.run.record import read_record
+
+    (tmp_path / "multirun.yaml").write_text("phase_a: {}\n")
+    (tmp_path / "1").mkdir()
+    (tmp_path / "1" / "bake_run.json").write_text('{"run_dir": ')
+    with pytest.raises(BakeError, match=f"delete the job's folder {tmp_path / '1'} to run"):
+        read_record(tmp_path / "1" / "bake_run.json")

@@ -163,7 +163,15 @@ def read_record(path: Path) -> RunRecord:
     try:
         return RunRecord(**json.loads(Path(path).read_text()))
     except (OSError, ValueError, TypeError) as exc:
+        run = Path(path).parent
+        if run.name.isdigit() and (run.parent / "multirun.yaml").is_file():  # a sweep's job
+            what = (
+                f"delete the job's folder {run} to run that job again from its start, then "
+                f"continue the sweep (its other jobs are kept)"
+            )
+        else:
+            what = "start a new bake"
         raise BakeError(
             f"{path}: not a readable bake record ({type(exc).__name__}: {exc}); this directory "
-            f"cannot be resumed"
+            f"cannot be resumed: {what}"
         ) from None
