@@ -560,3 +560,15 @@ def test_a_sweep_job_with_a_damaged_record_says_how_to_run_it_again(tmp_path):
     (tmp_path / "1" / "bake_run.json").write_text('{"run_dir": ')
     with pytest.raises(BakeError, match=f"delete the job's folder {tmp_path / '1'} to run"):
         read_record(tmp_path / "1" / "bake_run.json")
+
+
+def test_a_sweep_continued_with_its_overrides_in_another_order_is_the_same_sweep(tmp_path):
+    from bake.errors import BakeError
+
+    (tmp_path / "multirun.yaml").write_text(
+        "hydra:\n  overrides:\n    task: [model=tiny, 'phase_a.target_sparsity=0.1,0.3']\n"
+        "    hydra: []\nphase_a: {}\n"
+    )
+    assert directory.check(["phase_a.target_sparsity=0.1,0.3", "model=tiny"], tmp_path) is True
+    with pytest.raises(BakeError, match=r"\(phase_a.target_sparsity: 0.1,0.3 -> 0.1,0.2\)"):
+        directory.check(["model=tiny", "phase_a.target_sparsity=0.1,0.2"], tmp_path)

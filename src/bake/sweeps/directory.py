@@ -93,6 +93,11 @@ def _fixed(overrides: list[str]) -> list[str]:
     ]
 
 
+def _by_key(overrides: list[str]) -> dict[str, str]:
+    """Overrides as key -> value (a key given twice: its last value; ``~key``: deleted)."""
+    return {_key(o): o.split("=", 1)[1] if "=" in o else "(deleted)" for o in overrides}
+
+
 def check(task: list[str], sweep_dir: Path) -> bool:
     """Before a sweep writes into ``sweep_dir``: True when it continues the sweep there (the same
     overrides), False when the directory is new or empty; BakeError when it belongs to someone
@@ -122,13 +127,19 @@ def check(task: list[str], sweep_dir: Path) -> bool:
             f"hydra.sweep.dir={sweep_dir} is being run by another sweep ({running}); wait for it "
             f"to end (or stop it) before continuing it"
         )
-    if earlier is not None and _fixed(earlier.task) != _fixed(task):
-        theirs, mine = " ".join(earlier.task) or "(none)", " ".join(task) or "(none)"
-        raise BakeError(
-            f"hydra.sweep.dir={sweep_dir} holds a sweep of other overrides ({theirs}; now "
-            f"{mine}); continue it with the same overrides, or with `python -m bake "
-            f"resume={sweep_dir}`, or pick another hydra.sweep.dir"
-        )
+    if earlier is not None:
+        theirs, mine = _by_key(_fixed(earlier.task)), _by_key(_fixed(task))
+        keys = sorted(k for k in set(theirs) | set(mine) if theirs.get(k) != mine.get(k))
+        if keys:  # the same overrides in another order are the same sweep
+            diff = ", ".join(
+                f"{k}: {theirs.get(k, '(not given)')} -> {mine.get(k, '(not given)')}"
+                for k in keys[:4]
+            )
+            raise BakeError(
+                f"hydra.sweep.dir={sweep_dir} holds a sweep of other overrides ({diff}); "
+                f"continue it with the same overrides, or with `python -m bake "
+                f"resume={sweep_dir}`, or pick another hydra.sweep.dir"
+            )
     _set_aside_failures(sweep_dir)
     return True
 
