@@ -572,3 +572,18 @@ def test_a_sweep_continued_with_its_overrides_in_another_order_is_the_same_sweep
     assert directory.check(["phase_a.target_sparsity=0.1,0.3", "model=tiny"], tmp_path) is True
     with pytest.raises(BakeError, match=r"\(phase_a.target_sparsity: 0.1,0.3 -> 0.1,0.2\)"):
         directory.check(["model=tiny", "phase_a.target_sparsity=0.1,0.2"], tmp_path)
+
+
+def test_a_job_that_ended_without_a_result_is_given_a_reason_not_a_rule():
+    from bake.sweeps.launchers import why_ended
+
+    exc = RuntimeError(
+        "Job 1234 (task: 0) with path /x/1234_0_result.pkl\nhas not produced any output "
+        "(state: TIMEOUT)\nError stream produced:\n----------------------------------------\n"
+        "\n----------------------------------------"
+    )
+    assert why_ended(exc) == (
+        "Job 1234 (task: 0) with path /x/1234_0_result.pkl has not produced any output "
+        "(state: TIMEOUT)"
+    )
+    assert why_ended(RuntimeError("\n-----\n")) == "RuntimeError"

@@ -203,6 +203,18 @@ def launch_local(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     return run_windowed(executor, launcher, job_params, at_once, threads, sweep_dir)
 
 
+def why_ended(exc: BaseException) -> str:
+    """submitit's reason a job gave no result, in one line: its first line that says something
+    (its message also holds rules of dashes and the job's error stream)."""
+    told = []
+    for line in (line.strip() for line in str(exc).splitlines()):
+        if line.lower().startswith(("error stream", "traceback")):
+            break
+        if sum(c.isalpha() for c in line) >= 3:
+            told.append(line)
+    return (" ".join(told) if told else type(exc).__name__)[:300]
+
+
 def run_windowed(
     executor, launcher, job_params: list[tuple], at_once: int, threads: int, sweep_dir
 ) -> list:
@@ -238,8 +250,7 @@ def run_windowed(
                 try:
                     results[i] = job.results()[0]
                 except Exception as exc:  # no result: the process died
-                    why = str(exc).strip().splitlines()[-1][:300] if str(exc).strip() else ""
-                    reason = f"the job's process ended without a result ({why})"
+                    reason = f"the job's process ended without a result ({why_ended(exc)})"
                     record_failure(sweep_dir, params[2], " ".join(params[0]), reason)
                     ret = JobReturn()
                     ret.status, ret.return_value = JobStatus.COMPLETED, math.nan
