@@ -294,11 +294,13 @@ def test_an_interrupted_creation_of_the_store_leaves_no_store_behind(tmp_path, m
         ("file store", "file:///{tmp}/mlruns", "MLflow's file store"),
         ("a directory", "sqlite:///{tmp}/dir.db", "is a directory, not an MLflow store"),
         ("garbage", "sqlite:///{tmp}/junk.db", "is not an SQLite database"),
+        ("a header, then garbage", "sqlite:///{tmp}/torn.db", "is a damaged SQLite database"),
     ],
 )
 def test_a_tracking_store_that_cannot_work_is_refused_before_loading(tmp_path, case, uri, message):
     (tmp_path / "dir.db").mkdir()
     (tmp_path / "junk.db").write_text("not a database at all\n" * 10)
+    (tmp_path / "torn.db").write_bytes(b"SQLite format 3\x00" + b"not a page" * 500)
     cfg = compose(["model=tiny", f"tracking.uri={uri.format(tmp=tmp_path)}"])
     with pytest.raises(ConfigError) as err:
         validate(cfg)

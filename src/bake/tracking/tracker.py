@@ -279,7 +279,30 @@ def store_problems(tcfg) -> list[str]:
                 f"tracking.uri={uri}: {db} is not an SQLite database (it was left as it is); "
                 f"move it away, or point tracking.uri at another file"
             ]
+        damage = _sqlite_damage(db)
+        if damage:
+            return [
+                f"tracking.uri={uri}: {db} is a damaged SQLite database ({damage}; it was left "
+                f"as it is); restore it from a backup, move it away, or point tracking.uri at "
+                f"another file"
+            ]
     return []
+
+
+def _sqlite_damage(db: Path) -> str | None:
+    """What SQLite says is wrong with ``db`` (read only; None: it reads whole)."""
+    import sqlite3
+
+    try:
+        con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
+        try:
+            rows = con.execute("PRAGMA quick_check").fetchall()
+        finally:
+            con.close()
+    except sqlite3.DatabaseError as exc:
+        return str(exc)
+    told = [str(r[0]) for r in rows if r and r[0] != "ok"]
+    return "; ".join(told)[:200] if told else None
 
 
 @contextmanager
