@@ -403,3 +403,25 @@ def test_a_file_in_pieces_is_assembled_only_whole(tmp_path, monkeypatch, case, m
     assert message in str(err.value) and "\n" not in str(err.value)
     assert "model.pieces (piece-0, piece-1, piece-2)" in str(err.value)
     assert not [p for p in (cache / "gguf").iterdir() if not p.name.endswith(".lock")]
+
+
+def test_a_killed_assemblys_temporary_file_is_removed_by_the_next(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    from bake.models.files import _assemble_once, _sha256
+
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    target = tmp_path / "model.gguf"
+    stale = tmp_path / f".model.gguf.{dead.pid}.tmp"
+    stale.write_bytes(b"x" * 1000)
+    live = tmp_path / f".model.gguf.{os.getppid()}.tmp"  # a process that is running
+    live.write_bytes(b"y")
+    source = tmp_path / "source.bin"
+    source.write_bytes(b"GGUF whole")
+    _assemble_once(
+        target, _sha256(source), lambda tmp: tmp.write_bytes(b"GGUF whole"), "x", "y", "z"
+    )
+    assert target.read_bytes() == b"GGUF whole" and not stale.exists() and live.exists()

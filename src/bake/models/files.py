@@ -199,6 +199,23 @@ def _check_gguf(path: Path, parts: list[Path]) -> None:
         )
 
 
+def _remove_stale(target: Path) -> None:
+    """Temporary files of earlier assemblies of ``target`` whose process is gone (killed while it
+    wrote: hundreds of MB that nothing else removes)."""
+    import os
+
+    for tmp in target.parent.glob(f".{target.name}.*.tmp"):
+        pid = tmp.name[len(target.name) + 2 : -len(".tmp")]
+        if not pid.isdigit() or int(pid) == os.getpid():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:  # its writer is gone
+            tmp.unlink(missing_ok=True)
+        except PermissionError:  # another user's live process
+            continue
+
+
 def _assemble_once(target: Path, expected: str, assemble, against: str, setting: str, fix: str):
     """``target`` assembled by ``assemble(tmp)`` and moved in place, or kept when its sha256 is
     ``expected``; a mismatch is reported and assembled again."""
@@ -217,6 +234,7 @@ def _assemble_once(target: Path, expected: str, assemble, against: str, setting:
         )
         target.unlink()
     target.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale(target)
     tmp = target.with_name(f".{target.name}.{os.getpid()}.tmp")
     try:
         assemble(tmp)
