@@ -362,3 +362,21 @@ def test_a_model_recipe_that_does_not_exist_is_refused(tmp_path, capsys, value):
     err = capsys.readouterr().err
     assert f"model_recipe={value}: no such recipe (there are: qwen2_5_coder)" in err
     assert "Traceback" not in err and not (tmp_path / "runs").exists()
+
+
+@pytest.mark.cli
+@pytest.mark.parametrize(
+    "override, says",
+    [
+        ("phase_b.lr_probe_steps=1.5", "could not be converted to Integer"),
+        ("phase_b.lr_probe=[a,b]", "Value 'a' of type 'str' could not be converted to Float"),
+        ("phase_b.lr_probe=nan", "not a ListConfig, list or tuple"),
+        ("task.limit=some", "could not be converted to Integer"),
+    ],
+)
+def test_a_value_of_the_wrong_type_is_one_line_and_exit_2(tmp_path, capsys, override, says):
+    from conftest import run_bake
+
+    assert run_bake(["model=tiny", override, f"paths.outputs={tmp_path}"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == [f"bake: {override}: {err[0].split(': ', 2)[2]}"] and says in err[0]

@@ -57,6 +57,42 @@ def _choices(args: list[str]) -> str | None:
     return None
 
 
+def _types(args: list[str]) -> str | None:
+    """The first ``group.key=value`` override whose value the schema's type refuses (``1.5``
+    for an int, ``a`` in a list of floats), as one line: Hydra's own error is six lines and exit
+    1 for what is a configuration error."""
+    from typing import get_type_hints
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from bake.config.schema import BakeConf
+
+    groups = get_type_hints(BakeConf)
+    parser = OverridesParser.create()
+    for arg in args:
+        key, eq, value = arg.lstrip("+").partition("=")
+        group, dot, name = key.partition(".")
+        schema = groups.get(group)
+        if not eq or not dot or "." in name or not isinstance(schema, type) or "$" in value:
+            continue
+        try:
+            override = parser.parse_override(arg.lstrip("+"))
+            if override.is_sweep_override():
+                continue
+            node = OmegaConf.structured(schema)
+            if name not in node:
+                continue  # an unknown key: validation names it
+            node[name] = override.value()
+        except OmegaConfBaseException as exc:
+            why = str(exc).splitlines()[0]
+            return f"{key}={value}: {why}"
+        except Exception:  # a syntax Hydra reports better itself
+            continue
+    return None
+
+
 def _recipe(args: list[str]) -> str | None:
     """A ``model_recipe=`` override naming no recipe under conf/model_recipe/ (Hydra would
     ignore a misspelt optional group, and fail on null with a traceback), as one line."""
@@ -93,7 +129,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if again is not None:
         args = again
-    wrong = _choices(args) or _recipe(args)
+    wrong = _choices(args) or _types(args) or _recipe(args)
     if wrong:  # Hydra's own error is six lines and exit 1 for what is a configuration error
         print(f"bake: {wrong}", file=sys.stderr)
         return 2
