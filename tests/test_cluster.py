@@ -587,3 +587,37 @@ def test_a_job_that_ended_without_a_result_is_given_a_reason_not_a_rule():
         "(state: TIMEOUT)"
     )
     assert why_ended(RuntimeError("\n-----\n")) == "RuntimeError"
+
+
+@pytest.mark.subprocess
+@pytest.mark.bake
+def test_an_interrupted_submitit_local_sweep_leaves_no_job_running(tmp_path, docs_dir):
+    """SIGTERM to a ``hydra/launcher=submitit_local`` sweep: once it says "interrupted", no
+    job process of it runs on (an orphan would race the resume and overwrite its export)."""
+    import signal
+    import time
+
+    import psutil
+
+    out = tmp_path / "outputs"
+    sweep = out / "sweep"
+    args = tiny_args(out, docs_dir, "phase_b.steps=200000", "phase_b.eval_every=100000", NO_TRACKING)
+    cmd = [PYTHON, "-m", "bake", "-m", "hydra/launcher=submitit_local", *args]
+    cmd.append(f"hydra.sweep.dir={sweep}")
+    with subprocess.Popen(
+        cmd, cwd=tmp_path, env=cluster_env(), stdout=subprocess.PIPE, stderr=subprocess.PIPE
+    ) as proc:
+        deadline = time.monotonic() + 300
+        log = sweep / "0" / "bake.log"
+        while time.monotonic() < deadline and proc.poll() is None:
+            if log.is_file() and "[LS]" in log.read_text():  # the job is well into its bake
+                break
+            time.sleep(0.5)
+        jobs = psutil.Process(proc.pid).children(recursive=True)
+        assert jobs, "the sweep started no job process"
+        proc.send_signal(signal.SIGTERM)
+        _, err = proc.communicate(timeout=300)
+    assert "interrupted; continue the sweep with" in err.decode(), err.decode()[-2000:]
+    alive = [p for p in jobs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
+    assert alive == []
+    assert json.loads((sweep / "0" / "bake_run.json").read_text())["status"] == "KILLED"

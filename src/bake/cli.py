@@ -143,8 +143,10 @@ def main(argv: list[str] | None = None) -> int:
         return code if isinstance(code, int) else (0 if code is None else 1)
     except KeyboardInterrupt:  # a sweep's Ctrl-C (a single run turns it into exit 130 itself)
         from bake.sweeps.directory import continue_command
+        from bake.sweeps.launchers import stop_local_jobs
         from bake.tracking.sweep import interrupted
 
+        stop_local_jobs()  # no job of the sweep runs on once it says "interrupted"
         interrupted()  # the sweep's parent run: its summary so far, KILLED
 
         hint = f"; continue the sweep with: {continue_command(LAUNCHED[0])}" if LAUNCHED else ""

@@ -262,3 +262,36 @@ def run_windowed(
             job.cancel(check=False)
         raise
     return [results[i] for i in sorted(results)]
+
+
+def stop_local_jobs(grace_s: float = 120.0) -> int:
+    """Stop the job processes this process started through submitit's local executor
+    (``hydra/launcher=submitit_local`` and ``bake_local``) as a Ctrl-C stops a bake (SIGINT to
+    each job's controller, which passes it on: the bake records itself KILLED and keeps its
+    checkpoints), waiting for them and what they started, killing any still running after
+    ``grace_s``; returns how many jobs were running. On SLURM the jobs belong to the cluster:
+    ``scancel`` stops them."""
+    import signal
+
+    import psutil
+
+    me = psutil.Process()
+    try:
+        children = me.children(recursive=False)
+        jobs = [p for p in children if "submitit" in " ".join(p.cmdline())]
+        every = [d for j in jobs for d in j.children(recursive=True)] + jobs
+    except psutil.Error:
+        return 0
+    for job in jobs:
+        try:
+            job.send_signal(signal.SIGINT)
+        except psutil.NoSuchProcess:
+            pass
+    _, alive = psutil.wait_procs(every, timeout=grace_s)
+    for proc in alive:
+        try:
+            proc.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=10)
+    return len(jobs)
