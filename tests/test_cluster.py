@@ -601,7 +601,9 @@ def test_an_interrupted_submitit_local_sweep_leaves_no_job_running(tmp_path, doc
 
     out = tmp_path / "outputs"
     sweep = out / "sweep"
-    args = tiny_args(out, docs_dir, "phase_b.steps=200000", "phase_b.eval_every=100000", NO_TRACKING)
+    args = tiny_args(
+        out, docs_dir, "phase_b.steps=200000", "phase_b.eval_every=100000", NO_TRACKING
+    )
     cmd = [PYTHON, "-m", "bake", "-m", "hydra/launcher=submitit_local", *args]
     cmd.append(f"hydra.sweep.dir={sweep}")
     with subprocess.Popen(
