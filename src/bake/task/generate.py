@@ -177,6 +177,7 @@ def _batched(model, encoded, limits, order: deque, batch: int, advance) -> None:
                 cache, mask = None, mask[:0]
                 continue
             index = torch.tensor(keep, device=device)
+            assert cache is not None  # rows are in the batch: their cache is
             cache.batch_select_indices(index)
             mask = mask[index]
             if joinable:

@@ -81,7 +81,8 @@ def read_jsonl(path: Path, setting: str) -> list[Problem]:
         solution = record.get("canonical_solution")
         if solution is not None and not isinstance(solution, str):
             raise BakeError(f"{where}: canonical_solution must be a string")
-        problems.append(Problem(*(record[f] for f in FIELDS), solution))
+        fields = {f: record[f] for f in FIELDS}
+        problems.append(Problem(**fields, canonical_solution=solution))
     if not problems:
         raise BakeError(f"{setting}={path}: holds no problem")
     return problems

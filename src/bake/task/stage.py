@@ -134,10 +134,11 @@ def _load_backbone(settings: Settings):
     from bake.models.stack import Stack
 
     lm, tokenizer, _ = source_for(settings.model, settings.cache).load()
-    lm = lm.to(settings.device).eval()
+    lm.to(settings.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
+    lm.eval()
     meta = settings.meta
     if meta.loops > 1:
         stack = Stack(lm, meta.loops, meta.loop_norm)
         gates = [torch.ones(stack.inter) for _ in range(stack.num_layers * meta.loops)]
-        lm = LoopedCausalLM(lm, meta.loops, meta.loop_norm, gates).eval()
+        return LoopedCausalLM(lm, meta.loops, meta.loop_norm, gates).eval(), tokenizer
     return lm, tokenizer
