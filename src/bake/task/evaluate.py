@@ -152,7 +152,8 @@ def evaluate(target: Path, overrides: list[str], outputs: Path) -> tuple[Score, 
     # beside the run's report when the target is (part of) a run, else under outputs/
     home = (path if kind == "run" else path.parent) if report else outputs
     what = {"target": str(path.resolve()), "task": spec.name, "settings": spec.settings()}
-    stem = f"{path.name if kind != 'run' else 'model'}-{spec.name}-{cache.digest(what)[:8]}"
+    name = {"run": "model", "gguf": path.stem}.get(kind, path.name)
+    stem = f"{name}-{spec.name}-{cache.digest(what)[:8]}"
     if spec.limit is not None:
         stem += f"-first{spec.limit}"
     file = home / "evaluations" / f"{stem}.jsonl"
