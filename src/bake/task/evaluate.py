@@ -148,7 +148,9 @@ def evaluate(target: Path, overrides: list[str], outputs: Path) -> tuple[Score, 
         result = _gguf_score(path, spec)
     else:
         model, tokenizer = _hf_model(kind, path)
-        result = score(model, tokenizer, chosen(spec), spec, path.name)
+        result = score(
+            model, tokenizer, chosen(spec), spec, "the run's export" if kind == "run" else path.name
+        )
     # beside the run's report when the target is (part of) a run, else under outputs/
     home = (path if kind == "run" else path.parent) if report else outputs
     what = {"target": str(path.resolve()), "task": spec.name, "settings": spec.settings()}
