@@ -113,6 +113,14 @@ def test_a_damaged_dense_teacher_is_named_and_trained_again(tmp_path, docs_dir):
     cached.write_bytes(cached.read_bytes()[:100])  # truncated: the same
     assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE)) == 0
     assert report(last_run(tmp_path))["phase_b"]["teacher"]["reused"] is False
+    # a directory where the entry goes: refused before the teacher trains, not after
+    cached.unlink()
+    cached.with_name(cached.name + ".sha256").unlink()
+    cached.mkdir()
+    assert run_bake(tiny_args(tmp_path, docs_dir, *DENSE)) == 1
+    log = (last_run(tmp_path) / "bake.log").read_text()
+    assert f"{cached}, where the dense teacher is cached, is a directory" in log
+    assert "training the dense teacher" not in log
 
 
 @pytest.mark.bake
