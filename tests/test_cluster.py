@@ -623,3 +623,24 @@ def test_an_interrupted_submitit_local_sweep_leaves_no_job_running(tmp_path, doc
     alive = [p for p in jobs if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]
     assert alive == []
     assert json.loads((sweep / "0" / "bake_run.json").read_text())["status"] == "KILLED"
+
+
+@pytest.mark.parametrize("damage", ["garbage", "truncated"])
+def test_a_damaged_study_journal_is_named_and_left_as_it_is(tmp_path, damage):
+    import optuna
+
+    from bake.errors import BakeError
+
+    journal = tmp_path / "optuna.journal"
+    storage = search.study_storage(None, tmp_path)
+    study = optuna.create_study(study_name="bake", storage=storage)
+    study.enqueue_trial({"x": 1.0})
+    study.ask()
+    text = journal.read_bytes()
+    journal.write_bytes(b"\x00garbage{" * 20 if damage == "garbage" else text[: len(text) // 2])
+    before = journal.read_bytes()
+    (tmp_path / "0").mkdir()
+    (tmp_path / "0" / "bake_run.json").write_text("{}")
+    with pytest.raises(BakeError, match="study cannot be read|the file is damaged"):
+        search._check_study(search.SearchConf(), tmp_path)
+    assert journal.read_bytes() == before  # nothing appended

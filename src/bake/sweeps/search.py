@@ -157,9 +157,9 @@ def _check_study(c, sweep_dir: Path) -> None:
     if jobs and not trials:
         raise BakeError(
             f"hydra.sweep.dir={sweep_dir} holds {len(jobs)} job(s) of a search whose study "
-            f"'{c.study_name}' is not in {c.storage or journal}: their results would be credited "
-            f"to other settings; restore the study (or its hydra.sweeper.study_name), or start "
-            f"the search in another hydra.sweep.dir"
+            f"'{c.study_name}' is not in {c.storage or journal} (lost, renamed, or the file is "
+            f"damaged): their results would be credited to other settings; restore the study (or "
+            f"its hydra.sweeper.study_name), or start the search in another hydra.sweep.dir"
         )
 
 
