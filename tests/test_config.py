@@ -380,3 +380,15 @@ def test_a_value_of_the_wrong_type_is_one_line_and_exit_2(tmp_path, capsys, over
     assert run_bake(["model=tiny", override, f"paths.outputs={tmp_path}"]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == [f"bake: {override}: {err[0].split(': ', 2)[2]}"] and says in err[0]
+
+
+@pytest.mark.cli
+def test_cfg_job_says_which_values_the_model_recipe_set(capsys):
+    from conftest import run_bake
+
+    assert run_bake(["model=qwen2_5_coder", "phase_b.steps=30", "--cfg", "job"]) == 0
+    last = capsys.readouterr().out.strip().splitlines()[-1]
+    assert last == (
+        "# set by the model recipe conf/model_recipe/qwen2_5_coder.yaml: "
+        "corpus.calib_chunks=96, phase_b.ls_chunks=48"
+    )

@@ -93,6 +93,22 @@ def _types(args: list[str]) -> str | None:
     return None
 
 
+def _recipe_comment(args: list[str]) -> None:
+    """After ``--cfg``: which printed values the model's recipe set (a comment line)."""
+    from bake.config.layout import recipe_values
+
+    if any(a.lstrip("~").startswith("model_recipe") for a in args):
+        chosen = [a.split("=", 1)[1] for a in args if a.startswith("model_recipe=")]
+        name = chosen[-1] if chosen else None
+    else:
+        models = [a.split("=", 1)[1] for a in args if a.startswith("model=")]
+        name = models[-1] if models else "smollm2"
+    values = recipe_values(name, args)
+    if values:
+        shown = ", ".join(f"{k}={v}" for k, v in values.items())
+        print(f"# set by the model recipe conf/model_recipe/{name}.yaml: {shown}", flush=True)
+
+
 def _recipe(args: list[str]) -> str | None:
     """A ``model_recipe=`` override naming no recipe under conf/model_recipe/ (Hydra would
     ignore a misspelt optional group, and fail on null with a traceback), as one line."""
@@ -159,6 +175,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.argv = saved
         if handler is not None:
             signal.signal(signal.SIGTERM, handler)
+    if "--cfg" in args or "-c" in args:  # the printed config: say what the recipe set
+        _recipe_comment(args)
     return 0
 
 
