@@ -20,8 +20,11 @@ from pathlib import Path
 
 import torch
 
+from bake.task.sandbox import Limits
+
 REPO = Path(__file__).resolve().parents[1]
 STOPS = ("\nclass", "\ndef", "\n#", "\nif", "\nprint")
+LIMITS = Limits(timeout_s=3.0, memory_gib=2.0)  # the task's defaults
 
 
 def plain_loop(lm, tok, prompts: list[str], batch: int, max_new: int) -> list[str]:
@@ -73,14 +76,19 @@ def main(argv: list[str] | None = None) -> dict:
         cfg = compose("config", overrides=[f"model={a.model}"])
     lm, tok, _ = source_for(cfg.model, a.cache).load()
     lm.eval()
-    prompts = [x.prompt for x in read_jsonl(humaneval_file(), "humaneval")[: a.limit]]
+    items = read_jsonl(humaneval_file(), "humaneval")[: a.limit]
+    prompts = [x.prompt for x in items]
     t0 = time.perf_counter()
     ours = complete(lm, tok, prompts, Generation(a.max_new_tokens, STOPS, a.batch))
     t_ours = time.perf_counter() - t0
     t0 = time.perf_counter()
     plain = plain_loop(lm, tok, prompts, a.batch, a.max_new_tokens)
     t_plain = time.perf_counter() - t0
+    from bake.task import sandbox
+
+    outcome = sandbox.run_all([x.program(c) for x, c in zip(items, ours, strict=True)], LIMITS)
     res = {
+        "passed": outcome.count("passed"),
         "model": a.model,
         "problems": len(prompts),
         "batch": a.batch,
@@ -96,7 +104,8 @@ def main(argv: list[str] | None = None) -> dict:
     print(
         f"{a.model}, {len(prompts)} problems, batch {a.batch}: bake's generator "
         f"{t_ours:.0f} s, the plain loop {t_plain:.0f} s = {t_ours / t_plain:.3f}x "
-        f"(goal <= 0.55); the same completion for {res['same_completions']} of {len(prompts)}"
+        f"(goal <= 0.55); the same completion for {res['same_completions']} of {len(prompts)}; "
+        f"bake's completions pass {res['passed']} (pass@1 {res['passed'] / len(prompts):.3f})"
     )
     return res
 
