@@ -378,6 +378,8 @@ def test_bake_slurm_asks_for_a_gpu_per_job_and_the_memory_of_the_plan(tmp_path, 
     bake_slurm = registered["hydra_plugins.bake_sweeps.BakeSlurmLauncher"]
     assert bake_slurm.__bases__[0].__qualname__ == submitit_launcher.SlurmLauncher.__qualname__
     monkeypatch.setattr(bake_slurm.__bases__[0], "launch", launch)
+    # as on a cluster's login node, where sbatch is on the PATH
+    monkeypatch.setattr("bake.sweeps.checks.shutil.which", lambda name: f"/usr/bin/{name}")
     args = [
         "-m",
         "hydra/launcher=bake_slurm",
