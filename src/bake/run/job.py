@@ -70,7 +70,7 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
     import json
 
     from bake.config.schema import resolved
-    from bake.run.record import RECORD, comparable
+    from bake.run.record import RECORD, changed_keys, comparable, describe
 
     try:
         record = json.loads((run_dir / RECORD).read_text())
@@ -82,9 +82,9 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
         return None
     if cfg is not None:
         mine, theirs = comparable(resolved(cfg)), record.get("config") or {}
-        keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+        keys = changed_keys(mine, theirs)
         if keys:
-            diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in keys[:4])
+            diff = describe(keys, mine, theirs, 4)
             raise BakeError(
                 f"{run_dir} finished with other settings than this job asks ({diff}); its "
                 f"result is not reused for them: continue the sweep with its own settings (a "

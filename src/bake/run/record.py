@@ -105,11 +105,21 @@ class RunRecord:
         self.save()
 
 
+def changed_keys(mine: dict, theirs: dict) -> list[str]:
+    """The keys whose values differ between two comparable configs, sorted."""
+    return sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+
+
+def describe(keys: list[str], mine: dict, theirs: dict, most: int) -> str:
+    """``key: old -> new`` for the first ``most`` of ``keys``."""
+    return ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in keys[:most])
+
+
 def resume_changes(mine: dict, record: RunRecord, resume: str) -> list[str]:
     """The phases a resume changes settings of (empty: the same settings). Raises BakeError
     naming the keys when a change is not one a resume may carry."""
     theirs = record.config
-    keys = sorted(k for k in set(mine) | set(theirs) if mine.get(k) != theirs.get(k))
+    keys = changed_keys(mine, theirs)
     done = record.stages
     bad = []
     for k in keys:
@@ -118,7 +128,7 @@ def resume_changes(mine: dict, record: RunRecord, resume: str) -> list[str]:
         if phase is None or done.get(f"{phase}_done") or steps_bound:
             bad.append(k)
     if bad:
-        diff = ", ".join(f"{k}: {theirs.get(k)!r} -> {mine.get(k)!r}" for k in bad[:6])
+        diff = describe(bad, mine, theirs, 6)
         raise BakeError(
             f"resume={resume}: the run was started with other settings ({diff}); pass the "
             f"same overrides as the original command (only the learning rate of a phase that "
