@@ -66,6 +66,7 @@ def compose(overrides: list[str] | None = None, hydra: bool = False):
     from hydra import initialize_config_dir
 
     import bake.config  # noqa: F401  (schemas, resolvers)
+    import hydra_plugins.bake_sweeps  # noqa: F401  (the plugins' schemas, as bake.cli loads them)
 
     with initialize_config_dir(config_dir=str(CONF), version_base="1.3"):
         return hydra_compose(

@@ -17,12 +17,12 @@ from bake.storage.cache import code_digest
 # bake modules that Phase A's code imports without computing anything of its result
 NOT_COMPUTING = {
     "bake.errors",
-    "bake.memory.measure",
+    "bake.tracking.measure",
     "bake.storage.files",
-    "bake.run.record",
+    "bake.storage.record",
     "bake.ranks",
     "bake.storage.cache",
-    "bake.config.validate",
+    "bake.run.validate",
     "bake.tracking.console",
     "bake.models.loader",  # the loaded weights: their identity, the model key, is in the key
     "bake.config.schema",  # the settings' types; their resolved values are in the key

@@ -399,9 +399,9 @@ def test_bake_slurm_asks_for_a_gpu_per_job_and_the_memory_of_the_plan(tmp_path, 
     # the memory: the host's peak of the job's plan on a GPU, x 1.25, in whole GiB
     from conftest import compose
 
-    from bake.config.validate import validate
     from bake.memory.budget import planned
     from bake.phases.settings import resolve
+    from bake.run.validate import validate
 
     cfg = compose(["model=tiny", "corpus.chunk_len=64", f"paths.outputs={tmp_path}"])
     plan = planned(resolve(cfg, validate(cfg)), "cuda")[0]
@@ -555,7 +555,7 @@ def test_a_search_of_no_trials_is_refused_before_anything_is_made(tmp_path, caps
 
 def test_a_sweep_job_with_a_damaged_record_says_how_to_run_it_again(tmp_path):
     from bake.errors import BakeError
-    from bake.run.record import read_record
+    from bake.storage.record import read_record
 
     (tmp_path / "multirun.yaml").write_text("phase_a: {}\n")
     (tmp_path / "1").mkdir()

@@ -9,8 +9,8 @@ import pytest
 from conftest import CONF, PYTHON, REPO, compose, run_bake, subprocess_env
 from hydra.errors import ConfigCompositionException
 
-from bake.config.validate import validate
 from bake.errors import ConfigError
+from bake.run.validate import validate
 
 RECIPES = sorted((CONF / "model_recipe").glob("*.yaml"))  # applied with their model, not chosen
 GROUP_FILES = sorted(p for p in CONF.rglob("*.yaml") if p.parent != CONF and p not in RECIPES)

@@ -643,7 +643,7 @@ def test_sliding_layers_are_exact_beyond_the_window(name, hf_source, tmp_path):
     gives the logits of transformers' own model, and its validation accepts such chunks."""
     from conftest import compose
 
-    from bake.config.validate import validate
+    from bake.run.validate import validate
 
     src = hf_source(name)
     assert read_meta(hf_cfg(src)).sliding_window == WINDOW

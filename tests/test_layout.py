@@ -1,4 +1,5 @@
-"""The shape of the code: no import cycle, a short top level, and no module outside the family
+"""The shape of the code: packages that are floors (no module imports from a floor above its
+own), no import cycle over all of ``src/``, a short top level, and no module outside the family
 registry that switches on a family's name (docs/development.md)."""
 
 from __future__ import annotations
@@ -8,14 +9,41 @@ from pathlib import Path
 
 from conftest import REPO
 
-SRC = REPO / "src" / "bake"
+ROOT = REPO / "src"  # every package the wheel ships: bake and hydra_plugins
+SRC = ROOT / "bake"
 FAMILIES = SRC / "models" / "families"
+
+# The floors, from the ground up (docs/development.md): a module imports only from its own floor
+# or those below it. Each entry names packages or modules by their dotted prefix.
+FLOORS = [
+    ("bake.errors", "bake.ranks", "bake.storage"),
+    ("bake.config",),
+    ("bake.models",),
+    ("bake.corpus",),
+    ("bake.tracking",),
+    ("bake.phases",),
+    ("bake.memory",),
+    ("bake.export",),
+    ("bake.task",),
+    ("bake.run",),
+    ("bake.sweeps",),
+    ("hydra_plugins",),
+    (
+        "bake",
+        "bake.__main__",
+        "bake.cli",
+        "bake.compare",
+        "bake.evaluate",
+        "bake.gguf",
+        "bake.llamacpp",
+    ),
+]
 
 
 def _modules() -> dict[str, Path]:
     out = {}
-    for path in sorted(SRC.rglob("*.py")):
-        parts = list(path.relative_to(SRC.parent).with_suffix("").parts)
+    for path in sorted(ROOT.rglob("*.py")):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
         if parts[-1] == "__init__":
             parts = parts[:-1]
         out[".".join(parts)] = path
@@ -81,6 +109,40 @@ def _cycles(edges: dict[str, set[str]]) -> list[list[str]]:
         if v not in index:
             visit(v)
     return out
+
+
+def _floor(module: str) -> int | None:
+    """The floor of ``module``: the entry of :data:`FLOORS` with the longest matching prefix."""
+    best, floor = -1, None
+    for i, names in enumerate(FLOORS):
+        for n in names:
+            below = module.startswith(n + ".") and n != "bake"  # "bake": the package itself
+            if (module == n or below) and len(n) > best:
+                best, floor = len(n), i
+    return floor
+
+
+def _upward(edges: dict[str, set[str]]) -> list[str]:
+    """Every import from a higher floor than the importer's, as ``a -> b``."""
+    return sorted(
+        f"{a} -> {b}" for a, targets in edges.items() for b in targets if _floor(b) > _floor(a)
+    )
+
+
+def test_every_module_has_a_floor():
+    assert [m for m in _modules() if _floor(m) is None] == []
+
+
+def test_no_module_imports_from_a_floor_above_its_own():
+    modules = _modules()
+    edges = {name: _imports(name, path, modules) for name, path in modules.items()}
+    assert "hydra_plugins.bake_sweeps" in modules  # the plugins are held to the floors too
+    assert _upward(edges) == []
+
+
+def test_the_floor_check_finds_an_upward_import():
+    edges = {"bake.phases.context": {"bake.run.record", "bake.models.stack"}, "bake.cli": {"bake"}}
+    assert _upward(edges) == ["bake.phases.context -> bake.run.record"]
 
 
 def test_no_import_cycle_counting_every_import():

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import compose
 
-from bake.config.validate import validate
 from bake.errors import ConfigError
+from bake.run.validate import validate
 
 
 @pytest.mark.parametrize("limit", ["inf", "nan", "0", "-1", "-inf"])
@@ -180,9 +180,9 @@ def test_a_weight_map_entry_outside_the_directory_is_refused_before_any_tensor_i
     """Security: model.safetensors.index.json must name files inside the model directory."""
     import json
 
-    from bake.config.validate import validate
     from bake.errors import BakeError
     from bake.models.loader import load_model
+    from bake.run.validate import validate
 
     folder = _llama_dir(tmp_path / "m", tied=True, shards=2)
     index = folder / "model.safetensors.index.json"
@@ -226,7 +226,7 @@ def test_a_ctrl_c_that_lands_in_a_finalizer_during_collection_is_raised_after_it
     import signal
     import threading
 
-    from bake.memory import measure
+    from bake.tracking import measure
 
     class Finalized:
         def __init__(self):
@@ -435,7 +435,7 @@ def test_a_second_bake_into_a_directory_another_bake_holds_names_that_bake(tmp_p
 
     from bake.errors import BakeError
     from bake.run.guard import check_new_dir
-    from bake.run.record import LOCK, RECORD
+    from bake.storage.record import LOCK, RECORD
 
     run = tmp_path / "run"
     run.mkdir()
@@ -704,11 +704,11 @@ def test_the_plan_counts_a_large_corpus_file_read_whole(tmp_path):
 
     from bake.corpus.documents import largest
     from bake.corpus.splits import load_corpus
-    from bake.memory.measure import peak_mb, reset_peak, rss_mb
     from bake.memory.plan import Knobs, stage_bytes
     from bake.models.sources import read_meta, read_shape
     from bake.models.tiny import byte_tokenizer
     from bake.phases.settings import resolve
+    from bake.tracking.measure import peak_mb, reset_peak, rss_mb
 
     docs = write_docs(tmp_path / "docs", 60)
     rng = random.Random(0)

@@ -144,7 +144,7 @@ def test_a_full_disk_at_any_stage_fails_in_one_line_and_records_it(
 
 
 def test_the_run_record_is_written_in_place_when_no_new_file_fits(tmp_path, monkeypatch):
-    from bake.run import record as runstate
+    from bake.storage import record as runstate
 
     rec = runstate.RunRecord(str(tmp_path), {}, "h")
     rec.save()

@@ -9,9 +9,9 @@ import torch
 from conftest import compose, last_run, run_bake, tiny_args
 from safetensors.torch import load_file
 
-from bake.config import unused
 from bake.models.sources import read_meta
 from bake.phases import masks, structure
+from bake.run import unused
 
 
 def ignored(cfg, overrides):

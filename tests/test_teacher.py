@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 from conftest import compose, last_run, report, run_bake, tiny_args
 
-from bake.config.validate import validate
 from bake.errors import ConfigError
+from bake.run.validate import validate
 
 DENSE = ["phase_a=flap", "phase_b.distill=1", "phase_b.teacher=dense", "tracking.enabled=false"]
 

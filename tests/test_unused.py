@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 from conftest import compose, last_run, report, run_bake, tiny_args
 
-from bake.config import unused as _unused
 from bake.models.sources import read_meta
+from bake.run import unused as _unused
 
 
 def ignored(cfg, overrides):

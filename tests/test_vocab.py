@@ -19,7 +19,7 @@ from hypothesis import strategies as st
 
 from bake.errors import BakeError
 from bake.export import model as export
-from bake.export import vocab
+from bake.models import vocab
 from bake.phases import structure
 
 WORDS = (

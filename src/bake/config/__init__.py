@@ -1,6 +1,7 @@
-"""bake's configuration: the schemas of the config groups (:mod:`bake.config.schema`), the
-validation pass (:mod:`bake.config.validate`), the settings a composed config does not read
-(:mod:`bake.config.unused`) and where ``conf/`` is (:mod:`bake.config.layout`).
+"""bake's configuration: the schemas of the config groups (:mod:`bake.config.schema`) and
+where ``conf/`` is (:mod:`bake.config.layout`). It sits on the floor above storage and imports
+nothing else of bake: the checks of a composed config against models, files and tools are the
+run's preflight (:mod:`bake.run.validate`, :mod:`bake.run.unused`).
 
 Importing this package registers the schemas and resolvers with Hydra.
 """

@@ -2,7 +2,7 @@
 
 Each group's YAML under ``conf/`` lists its schema first in its defaults, so an unknown key or a
 value of the wrong type fails when Hydra composes the config. Range and cross-field checks live
-in :mod:`bake.config.validate`. This module imports nothing heavy: a config error must be
+in :mod:`bake.run.validate`. This module imports nothing heavy: a config error must be
 reported in about a second.
 """
 
@@ -101,6 +101,8 @@ class Precision(StrEnum):
 # Every default of bake lives here, with what it means: the config groups' YAML presets under
 # conf/ state only what they change (tests/test_config.py holds them to it), and `python -m bake`
 # with no overrides runs exactly these values with model=smollm2 and corpus=python_stdlib.
+
+MIN_CALIB_CHUNKS = 12  # the reference's floor: fewer calibration chunks cannot specialise anything
 
 
 @dataclass
@@ -216,6 +218,13 @@ class ExportConf:
 CODEX_STOPS = ["\nclass", "\ndef", "\n#", "\nif", "\nprint"]
 
 
+TASK_LABELS = {"humaneval": "HumanEval"}  # how the summary and the model card name a task
+
+
+def task_label(name: str) -> str:
+    return TASK_LABELS.get(name, name)
+
+
 @dataclass
 class TaskConf:
     name: str = "none"  # short id: report.json, task/<name>.jsonl, metric names
@@ -324,10 +333,6 @@ def register() -> None:
     cs.store(name="bake_schema", node=BakeConf)
     for group, node in _GROUPS.items():
         cs.store(group=group, name=f"{group}_schema", node=node)
-    try:  # the schemas of bake's Hydra plugins (hydra/sweeper=bake_search, its launchers)
-        import hydra_plugins.bake_sweeps  # noqa: F401
-    except ImportError:  # a copy of bake without its plugins package
-        pass
     if not OmegaConf.has_resolver("bake_run_dir"):
         OmegaConf.register_new_resolver("bake_run_dir", _run_dir)
     if not OmegaConf.has_resolver("bake_output_subdir"):

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.config import CorpusSource
-from bake.config.validate import MIN_CALIB_CHUNKS
+from bake.config.schema import MIN_CALIB_CHUNKS
 from bake.corpus.documents import Document, list_documents, read_document, rejected_lines
 from bake.errors import BakeError
 from bake.storage.files import atomic_write

@@ -107,7 +107,7 @@ def _task(task: dict | None) -> list[str]:
     """The task's section: pass@1 of the source model and of this artifact."""
     if not task:
         return []
-    from bake.task.stage import label
+    from bake.config.schema import task_label as label
 
     s, b, e = task["settings"], task.get("backbone"), task["exported"]
     rows = ["| model | passed | pass@1 |", "| --- | --- | --- |"]

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from bake.export.vocab import Trim, remap_ids, rewrite_tokenizer
 from bake.models import families
 from bake.models.baked import VISIT_MASKS
+from bake.models.vocab import Trim, remap_ids, rewrite_tokenizer
 from bake.phases.structure import Keep, export_format
 from bake.storage.files import Producer, save_streaming
 
@@ -153,7 +153,7 @@ def write_model(
 ) -> str:
     """Write the smaller model into ``directory`` (a staging directory); returns its format:
     ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked).
-    ``trim``: a task-trimmed vocabulary (:mod:`bake.export.vocab`), its tokenizer written too."""
+    ``trim``: a task-trimmed vocabulary (:mod:`bake.models.vocab`), its tokenizer written too."""
     from safetensors.torch import save_file
 
     lm = stack.lm

@@ -28,7 +28,7 @@ from bake.phases.structure import Keep, aligned_after
 from bake.storage.files import staged
 
 if TYPE_CHECKING:
-    from bake.export.vocab import Trim
+    from bake.models.vocab import Trim
     from bake.phases.context import Outcome, RunContext
 
 log = logging.getLogger("bake")

@@ -59,7 +59,7 @@ def free_ram() -> int | None:
 def _ram_available() -> int | None:
     """Free RAM plus this process's own resident memory, which the plan's peaks include; None
     where /proc/meminfo does not exist."""
-    from bake.memory.measure import rss_mb
+    from bake.tracking.measure import rss_mb
 
     free = free_ram()
     return None if free is None else free + int((rss_mb() or 0) * (1 << 20))
@@ -193,7 +193,7 @@ def measured_base() -> int:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    from bake.memory.measure import rss_mb
+    from bake.tracking.measure import rss_mb
 
     now = rss_mb()
     return BASE if now is None else int(now * MIB) + BASE - IMPORTS

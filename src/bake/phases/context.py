@@ -16,19 +16,19 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from bake.memory import measure
 from bake.models.stack import FfnOverride, held_nll, perplexity
 from bake.ranks import rank_zero
+from bake.tracking import measure
 
 if TYPE_CHECKING:
     from bake.corpus.splits import Corpus
-    from bake.export.vocab import Trim
     from bake.models.loader import LoadedModel
+    from bake.models.vocab import Trim
     from bake.phases.phase_a.results import PhaseAResult, Selection
     from bake.phases.phase_b.repaired import Repaired
     from bake.phases.settings import Settings
     from bake.phases.structure import Keep
-    from bake.run.record import RunRecord
+    from bake.storage.record import RunRecord
     from bake.tracking.tracker import Tracker
 
 

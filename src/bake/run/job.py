@@ -14,9 +14,9 @@ import sys
 import traceback
 from pathlib import Path
 
-from bake.config.validate import validate
 from bake.errors import BakeError, ConfigError, StoreUnavailable, resume_arg
-from bake.run.record import LOCK
+from bake.run.validate import validate
+from bake.storage.record import LOCK
 
 log = logging.getLogger("bake")
 # A full disk, a quota, a read-only or forbidden place: one line, not a traceback.
@@ -70,7 +70,7 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
     import json
 
     from bake.config.schema import resolved
-    from bake.run.record import RECORD, changed_keys, comparable, describe
+    from bake.storage.record import RECORD, changed_keys, comparable, describe
 
     try:
         record = json.loads((run_dir / RECORD).read_text())
@@ -94,7 +94,7 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
 
 
 def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
-    from bake.run.record import RECORD
+    from bake.storage.record import RECORD
 
     if multirun and not cfg.resume and (run_dir / RECORD).is_file():
         # an earlier launch of this sweep started this job (the sweep continues, or a cluster
@@ -159,8 +159,8 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         sys.exit(console.interrupt_code())
     try:
         from bake.config.layout import recipe_values
-        from bake.config.unused import ignored
         from bake.run.pipeline import bake
+        from bake.run.unused import ignored
 
         console.setup()  # log lines around the progress bars; no library bars or chatter
         overrides = list(getattr(getattr(hc, "overrides", None), "task", None) or [])

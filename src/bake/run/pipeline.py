@@ -17,20 +17,40 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
-from bake.memory import measure
 from bake.phases import structure
 from bake.phases.context import Outcome, RunContext
 from bake.ranks import rank_zero
-from bake.run.record import open_record
-from bake.tracking.tracker import Tracker
+from bake.storage.record import open_record, params_of
+from bake.tracking import measure
+from bake.tracking.sweep import job_name, multirun, parent_id
+from bake.tracking.tracker import Tracker, reopen_run, start_run
 
 if TYPE_CHECKING:
-    from bake.config.unused import Unused
-    from bake.export.vocab import Trim
     from bake.memory.plan import Plan
+    from bake.models.vocab import Trim
     from bake.phases.settings import Settings
+    from bake.run.unused import Unused
 
 log = logging.getLogger("bake")
+
+
+def open_tracker(settings: Settings, record, hc) -> Tracker:
+    """The MLflow run of this bake: reopened on resume, else new (a child inside a sweep)."""
+    if settings.resume and record.mlflow_run_id:
+        return reopen_run(settings.tracking, record.mlflow_run_id, record.resumed)
+    name, swept = job_name(settings, hc)
+    overrides = list(hc.overrides.task)
+    tags = {
+        "bake.model": settings.model.name,
+        "bake.corpus": settings.corpus.name,
+        "bake.run_dir": record.run_dir,
+        "bake.overrides": " ".join(overrides) or "(defaults)",
+    }
+    if swept:
+        tags["bake.swept"] = swept
+    if multirun(hc):
+        tags["bake.job"] = str(hc.job.num)
+    return start_run(settings.tracking, name, tags, params_of(settings.config), parent_id(hc))
 
 
 def bake(
@@ -43,11 +63,9 @@ def bake(
 ) -> float:
     """Run one bake; returns the exported model's held-out perplexity. ``plan``: its memory
     plan, logged and reported beside the measured peaks; ``ignored``: the command line's keys
-    nothing reads (:func:`bake.config.unused.ignored`), one warning line each; ``recipe``: the
+    nothing reads (:func:`bake.run.unused.ignored`), one warning line each; ``recipe``: the
     model recipe's name and the values it set (one log line, report.json's
     ``settings.recipe``)."""
-    from bake.tracking.sweep import open_tracker
-
     rank0 = rank_zero()
     record = open_record(run_dir, settings.config, write=rank0)
     tracker, status = Tracker(), "FAILED"
@@ -263,7 +281,7 @@ def _backbone_bits(ctx: RunContext) -> None:
 def _vocab(ctx: RunContext) -> Trim:
     """The task-trimmed vocabulary: tokens counted over every calibration document."""
     from bake.corpus.splits import calibration_texts
-    from bake.export import vocab
+    from bake.models import vocab
 
     e, tok = ctx.settings.export, ctx.model.tokenizer
     counts = vocab.count_tokens(tok, calibration_texts(ctx.settings.corpus, ctx.corpus))

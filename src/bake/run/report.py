@@ -19,7 +19,7 @@ from bake.task.stage import metrics as task_metrics
 
 if TYPE_CHECKING:
     from bake.export.stage import Exported
-    from bake.export.vocab import Trim
+    from bake.models.vocab import Trim
     from bake.phases.context import Outcome, RunContext
 
 log = logging.getLogger("bake")

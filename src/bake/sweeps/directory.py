@@ -18,7 +18,7 @@ from pathlib import Path
 from hydra.experimental.callback import Callback
 
 from bake.errors import BakeError
-from bake.run.record import LOCK, RECORD, free
+from bake.storage.record import LOCK, RECORD, free
 from bake.sweeps.checks import launcher_problem, sweeper_problem
 
 SWEEP_FILE = "multirun.yaml"  # Hydra's record of the sweep: its config and overrides

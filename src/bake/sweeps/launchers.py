@@ -44,9 +44,9 @@ def job_config(launcher, overrides: Sequence[str]):
 def job_plans(launcher, job_overrides: Sequence[Sequence[str]], device: str) -> list[Plan | None]:
     """Each job's memory plan on ``device`` ("cpu" or "cuda"); None for a job whose plan cannot
     be made here (its config is refused: the job says why when it runs)."""
-    from bake.config.validate import validate
     from bake.memory.budget import planned
     from bake.phases.settings import resolve
+    from bake.run.validate import validate
 
     plans: list[Plan | None] = []
     for overrides in job_overrides:

@@ -126,7 +126,7 @@ def _check_study(c, sweep_dir: Path) -> None:
     import optuna
     from optuna.exceptions import OptunaError
 
-    from bake.run.record import RECORD
+    from bake.storage.record import RECORD
 
     jobs = (
         sorted(

@@ -22,12 +22,12 @@ import sys
 import time
 from pathlib import Path
 
+from bake.config.schema import task_label as label
 from bake.errors import BakeError
 from bake.storage import cache
 from bake.storage.files import atomic_write
 from bake.task.generate import cut
 from bake.task.score import Score, TaskSpec, chosen, execute, score, spec_of
-from bake.task.stage import label
 
 log = logging.getLogger("bake")
 USAGE = "usage: python -m bake.evaluate TARGET [task=humaneval] [task.limit=N ...]"

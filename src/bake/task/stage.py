@@ -12,19 +12,15 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from bake.memory import measure
+from bake.config.schema import task_label as label
 from bake.task import sandbox
 from bake.task.score import Score, TaskSpec, backbone, chosen, score, spec_of, write_results
+from bake.tracking import measure
 
 if TYPE_CHECKING:
     from bake.phases.settings import Settings
 
 log = logging.getLogger("bake")
-LABELS = {"humaneval": "HumanEval"}  # how the summary names a task
-
-
-def label(name: str) -> str:
-    return LABELS.get(name, name)
 
 
 def judge(settings: Settings, model_dir: Path, fmt: str, stage: Path) -> dict | None:

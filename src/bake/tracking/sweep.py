@@ -16,12 +16,11 @@ from typing import TYPE_CHECKING
 from hydra.experimental.callback import Callback
 
 from bake.tracking.runnames import model_label, run_name, split, sweep_spec, swept_overrides
-from bake.tracking.tracker import Tracker, client_for, experiment_id, reopen_run, start_run
+from bake.tracking.tracker import Tracker, client_for, experiment_id, start_run
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
 
-    from bake.phases.settings import Settings
 
 log = logging.getLogger("bake.sweep")
 
@@ -42,14 +41,14 @@ BEST_METRICS = (
 )
 
 
-def _multirun(hc) -> bool:
+def multirun(hc) -> bool:
     from hydra.types import RunMode
 
     return hc.mode == RunMode.MULTIRUN
 
 
-def _parent_id(hc) -> str | None:
-    if not _multirun(hc):
+def parent_id(hc) -> str | None:
+    if not multirun(hc):
         return None
     path = Path(hc.sweep.dir) / PARENT_FILE
     return json.loads(path.read_text())["run_id"] if path.is_file() else None
@@ -59,29 +58,8 @@ def job_name(cfg, hc) -> tuple[str, str]:
     """(this job's run name, its swept overrides): the swept keys lead inside a sweep. ``cfg``:
     the composed config or a bake's settings (its ``model.name``)."""
     overrides = list(hc.overrides.task)
-    swept = sweep_spec(str(Path(hc.sweep.dir)))[1] if _multirun(hc) else ()
+    swept = sweep_spec(str(Path(hc.sweep.dir)))[1] if multirun(hc) else ()
     return run_name(model_label(cfg), overrides, swept), " ".join(split(overrides, swept)[0])
-
-
-def open_tracker(settings: Settings, record, hc) -> Tracker:
-    """The MLflow run of this bake: reopened on resume, else new (a child inside a sweep)."""
-    if settings.resume and record.mlflow_run_id:
-        return reopen_run(settings.tracking, record.mlflow_run_id, record.resumed)
-    from bake.run.record import params_of
-
-    name, swept = job_name(settings, hc)
-    overrides = list(hc.overrides.task)
-    tags = {
-        "bake.model": settings.model.name,
-        "bake.corpus": settings.corpus.name,
-        "bake.run_dir": record.run_dir,
-        "bake.overrides": " ".join(overrides) or "(defaults)",
-    }
-    if swept:
-        tags["bake.swept"] = swept
-    if _multirun(hc):
-        tags["bake.job"] = str(hc.job.num)
-    return start_run(settings.tracking, name, tags, params_of(settings.config), _parent_id(hc))
 
 
 def record_failed_job(cfg, hc, error: str) -> None:
@@ -91,7 +69,7 @@ def record_failed_job(cfg, hc, error: str) -> None:
     try:
         name, swept = job_name(cfg, hc)
         tags = {"bake.error": error[:5000], "bake.swept": swept, "bake.job": str(hc.job.num)}
-        tracker = start_run(cfg.tracking, name, tags, {}, _parent_id(hc))
+        tracker = start_run(cfg.tracking, name, tags, {}, parent_id(hc))
         tracker.end("FAILED")
     except Exception as exc:  # the sweep goes on regardless
         log.warning("could not record the failed job in MLflow: %s", exc)
@@ -103,7 +81,7 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     from omegaconf import OmegaConf
 
     from bake.config.schema import resolved
-    from bake.run.record import params_of
+    from bake.storage.record import params_of
     from bake.tracking.runnames import override_key
 
     job_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])

@@ -8,7 +8,7 @@
   sparsity controller, open gates that rank), trained in :mod:`~bake.phases.phase_a.mask`.
 
 Each method's module states the ``phase_a`` keys it reads (``READS``; a key given on the command
-line that the composed method does not read is named in a warning, :mod:`bake.config.unused`)
+line that the composed method does not read is named in a warning, :mod:`bake.run.unused`)
 and gives ``run(ctx, on_evaluation) -> PhaseAResult``. :mod:`~bake.phases.phase_a.stage` runs
 the method of a bake, caches its result and selects the evaluation that goes on.
 """

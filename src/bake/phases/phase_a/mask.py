@@ -32,7 +32,6 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
-from bake.memory import measure
 from bake.models.stack import FfnOverride, Stack, autocast_for, perplexity
 from bake.phases import masks
 from bake.phases.common import (
@@ -45,6 +44,7 @@ from bake.phases.common import (
 )
 from bake.phases.settings import PhaseASettings
 from bake.phases.structure import Choice, ShipRule, select
+from bake.tracking import measure
 
 log = logging.getLogger("bake.phase_a")
 

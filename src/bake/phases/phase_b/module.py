@@ -31,7 +31,6 @@ import torch
 from torch import Tensor, nn
 
 from bake.errors import BakeError
-from bake.memory import measure
 from bake.models.stack import FfnOverride, Stack, autocast_for, perplexity
 from bake.phases import masks
 from bake.phases.common import (
@@ -44,6 +43,7 @@ from bake.phases.common import (
 )
 from bake.phases.settings import PhaseBSettings
 from bake.phases.structure import select_repair
+from bake.tracking import measure
 
 log = logging.getLogger("bake.phase_b")
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.errors import TrainingDiverged
-from bake.memory import measure
+from bake.tracking import measure
 
 if TYPE_CHECKING:
     from bake.config.schema import TrainerConf

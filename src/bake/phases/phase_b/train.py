@@ -15,12 +15,12 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from bake.memory import measure
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
 from bake.phases.phase_b.probe import choose_lr
 from bake.phases.phase_b.repaired import Repaired, outcome, restore_values, save_values
 from bake.ranks import rank_name
 from bake.storage.cache import digest
+from bake.tracking import measure
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation

@@ -7,16 +7,15 @@ read only its metadata (config.json or the GGUF header).
 
 from __future__ import annotations
 
-import json
 import math
 from pathlib import Path
 
 from bake.config import CorpusSource
+from bake.config.schema import MIN_CALIB_CHUNKS
 from bake.errors import BakeError, ConfigError
 from bake.models.meta import ModelMeta
 from bake.models.sources import read_meta
-
-MIN_CALIB_CHUNKS = 12  # the reference's floor: fewer chunks cannot specialise anything
+from bake.phases.phase_b.teacher import teacher_dir_problem, teacher_model_problem
 
 
 def _ranges(cfg, problems: list[str]) -> None:
@@ -186,61 +185,6 @@ def _task(cfg, problems: list[str]) -> None:
         return
     if len(problems) == before:
         problems.extend(task_problems.failing_solutions(items, float(t.timeout_s), t.memory_gib))
-
-
-def _report(path: Path) -> dict | str:
-    """A run's report.json, or why it cannot be read."""
-    try:
-        rep = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        return f"{path} cannot be read ({type(exc).__name__}); pass a finished bake's run directory"
-    if not isinstance(rep, dict) or not isinstance(rep.get("model", {}), dict):
-        return f"{path} is not a bake's report; pass a finished bake's run directory"
-    return rep
-
-
-def teacher_model_problem(path: Path, key: str, loops: int) -> str | None:
-    """Why a finished bake in ``path`` cannot teach a bake of the model ``key`` running
-    ``loops`` passes (None: it can): the student loops, the teacher was baked from another
-    model, or with another loop count."""
-    rep = _report(path / "report.json")
-    if isinstance(rep, str):
-        return rep
-    model = rep.get("model") or {}
-    if loops > 1:
-        return (
-            f"this bake's model loops (model.loops={loops}) and a run directory's export holds "
-            f"one FFN per layer, not per visit; use phase_b.teacher=dense or backbone"
-        )
-    if model.get("key") != key:
-        return (
-            f"baked from model {model.get('key')}, this bake's backbone is {key}; a teacher must "
-            f"share the student's attention, embedding and head"
-        )
-    if int(model.get("loops") or 1) != loops:
-        return f"baked with model.loops={model.get('loops')}, this bake runs {loops}"
-    return None
-
-
-def teacher_dir_problem(path: Path) -> str | None:
-    """Why ``path`` cannot be ``phase_b.teacher`` (None: it can): not a finished bake, or an
-    export that trimmed the vocabulary (its logits would not be the student's)."""
-    report = path / "report.json"
-    if not report.is_file() or not (path / "model").is_dir():
-        return (
-            "not 'backbone', 'dense' or a finished bake's run directory (no report.json and "
-            "model/ in it); pass the directory a bake printed at its start"
-        )
-    rep = _report(report)
-    if isinstance(rep, str):
-        return rep
-    mode = (rep.get("vocab") or {}).get("mode", "full")
-    if mode != "full":
-        return (
-            f"its export trimmed the vocabulary (export.vocab={mode}); a teacher's logits must "
-            f"cover every token: use a bake with export.vocab=full"
-        )
-    return None
 
 
 def _teacher(cfg, meta: ModelMeta, problems: list[str]) -> None:
