@@ -42,11 +42,13 @@ WIDE = [
 def no_load(monkeypatch):
     """Any attempt to read weights fails the test."""
     from bake.models import loader
+    from bake.run import pipeline
 
     def refuse(*args, **kwargs):
         raise AssertionError("weights were loaded")
 
     monkeypatch.setattr(loader, "load_model", refuse)
+    monkeypatch.setattr(pipeline, "load_model", refuse)  # the name the pipeline calls
 
 
 def _runs(outputs) -> list:

@@ -133,6 +133,7 @@ def test_phase_b_continues_after_the_chunks_phase_a_trained_the_ffn_on(
     from bake.corpus.splits import load_corpus
     from bake.models.loader import load_model
     from bake.phases.phase_b import module as phase_b
+    from bake.phases.phase_b import train
 
     seen: list[torch.Tensor] = []
 
@@ -141,7 +142,7 @@ def test_phase_b_continues_after_the_chunks_phase_a_trained_the_ffn_on(
             seen.append(calib.clone())
             super().__init__(stack, calib, *args, **kwargs)
 
-    monkeypatch.setattr(phase_b, "PhaseB", Spy)
+    monkeypatch.setattr(train, "PhaseB", Spy)  # the name Phase B's stage builds
     learned = [
         "phase_a=learned",
         "phase_a.steps=10",

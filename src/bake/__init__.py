@@ -15,11 +15,11 @@ __all__ = ["load_baked", "main"]
 def __getattr__(name: str):
     # Lazy: `import bake` must stay cheap (a config error is reported in about a second).
     if name == "load_baked":
-        from bake.models.baked import load_baked
+        from bake.models.baked import load_baked  # lazy: torch
 
         return load_baked
     if name == "main":
-        from bake.cli import main
+        from bake.cli import main  # lazy: hydra
 
         return main
     raise AttributeError(f"module 'bake' has no attribute {name!r}")

@@ -17,14 +17,14 @@ from __future__ import annotations
 import signal
 import sys
 
+from bake.tracking import console
+
 
 def entry() -> None:
-    """Console-script entry point."""
-    from bake.tracking import console
-
+    """Console-script entry point: Ctrl-C is deferred before the command line's libraries load."""
     signal.signal(signal.SIGINT, console.defer_interrupt)
     try:
-        from bake.cli import main
+        from bake.cli import main  # lazy: hydra
 
         code = main()
     except KeyboardInterrupt:
@@ -36,7 +36,7 @@ def entry() -> None:
 def __getattr__(name: str):
     # ``from bake.__main__ import main`` (and CONF_DIR) keep working; loaded on first use
     if name in ("main", "CONF_DIR"):
-        from bake import cli
+        from bake import cli  # lazy: hydra
 
         return getattr(cli, name)
     raise AttributeError(f"module 'bake.__main__' has no attribute {name!r}")

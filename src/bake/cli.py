@@ -17,17 +17,21 @@ import threading
 
 import hydra
 
+import hydra_plugins.bake_sweeps as plugins
 from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
-from bake.config.layout import CONFIG_NAME, conf_dir
+from bake.config.layout import CONFIG_NAME, conf_dir, recipe_values
+from bake.config.schema import BakeConf
 from bake.errors import BakeError
+from bake.sweeps.directory import LAUNCHED, continue_command, relaunch, release_launched
 from bake.tracking import console
+from bake.tracking.sweep import interrupted
 
 CONF_DIR = str(conf_dir())  # the wheel's bake/conf, or the checkout's conf/
 
 
 @hydra.main(version_base="1.3", config_path=CONF_DIR, config_name="config")
 def _hydra_main(cfg) -> float:
-    from bake.run.job import run_job
+    from bake.run.job import run_job  # lazy: torch
 
     return run_job(cfg)
 
@@ -37,8 +41,6 @@ def _choices(args: list[str]) -> str | None:
     whose value is none of them, as one line naming the choices; None when all are valid."""
     from enum import Enum
     from typing import get_type_hints
-
-    from bake.config.schema import BakeConf
 
     groups = get_type_hints(BakeConf)
     for arg in args:
@@ -67,8 +69,6 @@ def _types(args: list[str]) -> str | None:
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    from bake.config.schema import BakeConf
-
     groups = get_type_hints(BakeConf)
     parser = OverridesParser.create()
     for arg in args:
@@ -95,8 +95,6 @@ def _types(args: list[str]) -> str | None:
 
 def _recipe_comment(args: list[str]) -> None:
     """After ``--cfg``: which printed values the model's recipe set (a comment line)."""
-    from bake.config.layout import recipe_values
-
     if any(a.lstrip("~").startswith("model_recipe") for a in args):
         chosen = [a.split("=", 1)[1] for a in args if a.startswith("model_recipe=")]
         name = chosen[-1] if chosen else None
@@ -135,8 +133,6 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 1
     args = list(sys.argv[1:] if argv is None else argv)
-    from bake.sweeps.directory import LAUNCHED, relaunch
-
     LAUNCHED.clear()
     try:
         again = relaunch(args)  # resume=<a sweep's directory>: the sweep continues
@@ -158,9 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         code = exc.code
         return code if isinstance(code, int) else (0 if code is None else 1)
     except KeyboardInterrupt:  # a sweep's Ctrl-C (a single run turns it into exit 130 itself)
-        from bake.sweeps.directory import continue_command
-        from bake.sweeps.launchers import stop_local_jobs
-        from bake.tracking.sweep import interrupted
+        from bake.sweeps.launchers import stop_local_jobs  # lazy: torch
 
         stop_local_jobs()  # no job of the sweep runs on once it says "interrupted"
         interrupted()  # the sweep's parent run: its summary so far, KILLED
@@ -169,8 +163,6 @@ def main(argv: list[str] | None = None) -> int:
         print(f"bake: interrupted{hint}", file=sys.stderr)
         return console.interrupt_code()
     finally:
-        from bake.sweeps.directory import release_launched
-
         release_launched()
         sys.argv = saved
         if handler is not None:
@@ -182,10 +174,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _plugins() -> None:
     """bake's Hydra plugins (hydra/sweeper=bake_search, hydra/launcher=bake_local|bake_slurm)."""
-    try:
-        import hydra_plugins.bake_sweeps as plugins
-    except ImportError:  # a copy of bake without its plugins package: the stock ones remain
-        return
     plugins.register()
 
 

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bake.config import CorpusSource
+from bake.corpus.globbing import expand
 from bake.errors import BakeError
 
 
@@ -42,7 +43,6 @@ def _stdlib_docs() -> list[Document]:
 def _glob_docs(pattern: str) -> list[Document]:
     """Files matching ``pattern``, each once: a file reached by several paths (symbolic links)
     counts once, under the first path in sorted order."""
-    from bake.corpus.globbing import expand
 
     seen: set[str] = set()
     docs = []

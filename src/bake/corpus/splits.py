@@ -28,6 +28,8 @@ from bake.config import CorpusSource
 from bake.config.schema import MIN_CALIB_CHUNKS
 from bake.corpus.documents import Document, list_documents, read_document, rejected_lines
 from bake.errors import BakeError
+from bake.storage import cache
+from bake.storage.cache import code_digest
 from bake.storage.files import atomic_write
 
 if TYPE_CHECKING:
@@ -188,8 +190,6 @@ def _split(ccfg, docs: list[Document], tokenizer, seed: int, skipped: Counter):
 
 
 def _cache_key(ccfg, docs: list[Document], tokenizer_key: str, seed: int) -> str:
-    from bake.storage.cache import code_digest
-
     # the splitting rules are this module's code: a change to it is a new key
     h = hashlib.sha256(f"corpus-{code_digest(CORPUS_CODE)}".encode())
     settings = {k: ccfg[k] for k in ("source", "glob", "path", "field", "chunk_len")}
@@ -262,7 +262,6 @@ def _check(
 
 def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path) -> Corpus:
     """Build (or read from the cache) the held-out, calibration and test chunks."""
-    from bake.storage import cache
 
     skipped: Counter = Counter()  # documents read and left out
     rejected: Counter = Counter()  # JSONL lines that are no document
@@ -281,8 +280,6 @@ def _build(ccfg, docs, tokenizer, seed: int, key: str, path: Path, skipped, reje
     """Split, chunk and check the corpus, and write it to the cache at ``path``."""
     import torch
     from safetensors.torch import save_file
-
-    from bake.storage import cache
 
     held, calib, test, seen = _split(ccfg, docs, tokenizer, seed, skipped)
     _check(ccfg, held, calib, test, skipped, seen, rejected)

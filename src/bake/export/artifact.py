@@ -15,6 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from bake.corpus.splits import bos_prefix
+from bake.models import bpb
+from bake.models.baked import load_baked
 from bake.models.stack import autocast_for, perplexity
 
 if TYPE_CHECKING:
@@ -40,7 +43,6 @@ def load_artifact(
 
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return lm.to(device).eval()  # type: ignore[arg-type]  # functools.wraps hides the self
-    from bake.models.baked import load_baked
 
     return load_baked(model_dir, device)
 
@@ -99,8 +101,6 @@ def measure(
     per token of its own tokenization)."""
     from transformers import AutoTokenizer
 
-    from bake.models import bpb
-
     model = load_artifact(model_dir, fmt, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     out: dict = {}
@@ -126,8 +126,6 @@ def vocab_of(model) -> int:
 
 def scored_texts(tokenizer, texts: list[str], config):
     """The scored sequences of ``texts`` under ``tokenizer`` (:func:`bake.models.bpb.scored`)."""
-    from bake.corpus.splits import bos_prefix
-    from bake.models import bpb
 
     start = bpb.start_id(tokenizer, bool(bos_prefix(tokenizer)))
     limit = getattr(config, "max_position_embeddings", None)

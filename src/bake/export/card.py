@@ -7,6 +7,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from bake.config.schema import task_label
+from bake.models.families import find
+
 CARD = "README.md"
 
 _WHAT = {
@@ -38,8 +41,6 @@ def source_of(model: dict) -> str:
 
 
 def family_label(model_type: str) -> str:
-    from bake.models.families import find
-
     family = find(model_type)
     return family.label if family else model_type
 
@@ -107,7 +108,6 @@ def _task(task: dict | None) -> list[str]:
     """The task's section: pass@1 of the source model and of this artifact."""
     if not task:
         return []
-    from bake.config.schema import task_label as label
 
     s, b, e = task["settings"], task.get("backbone"), task["exported"]
     rows = ["| model | passed | pass@1 |", "| --- | --- | --- |"]
@@ -117,7 +117,7 @@ def _task(task: dict | None) -> list[str]:
     rows.append(f"| this artifact | {e['passed']} of {e['problems']} | {e['pass_at_1']:.3f} |")
     part = "" if task.get("whole_set", True) else f" (the first {task['problems']} of {task['of']})"
     return [
-        f"## {label(task['name'])} pass@1",
+        f"## {task_label(task['name'])} pass@1",
         "",
         f"Greedy completions of the task's problems{part}, at most {s['max_new_tokens']} new "
         f"tokens, cut at {', '.join(repr(x) for x in s['stop'])}; each problem's tests run in a "

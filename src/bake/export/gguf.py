@@ -32,8 +32,11 @@ import time
 from pathlib import Path
 
 from bake.errors import BakeError
+from bake.export import llamacpp
 from bake.models import families
+from bake.models.baked import VISIT_MASKS
 from bake.models.families import Family
+from bake.models.sources import source_for
 
 CONVERTED = ("f32", "f16", "bf16", "q8_0")  # written by llama.cpp's converter
 KQUANTS = ("q4_k_m", "q5_k_m", "q6_k")  # by llama-quantize, from an f16 file
@@ -159,8 +162,6 @@ def _visits_shared(model_dir: Path) -> bool:
     """Every visit of a looped export keeps all of its layer's stored neurons."""
     from safetensors.torch import load_file
 
-    from bake.models.baked import VISIT_MASKS
-
     return all(bool(g.all()) for g in load_file(model_dir / VISIT_MASKS).values())
 
 
@@ -176,7 +177,6 @@ def write(
     (atomically: a temporary file renamed into place). ``source_gguf``: the GGUF file the
     source model came from (its tokenizer is copied); ``source_tokenizer``: the source's
     Hugging Face directory (its pre-tokenizer, for a trimmed vocabulary)."""
-    from bake.export import llamacpp
 
     found = artifact_problems(model_dir, kind)
     if found:
@@ -281,7 +281,6 @@ def for_run(mcfg, cache, run_dir: Path, kind: str, out: Path) -> dict:
     """``out`` written from ``run_dir/model`` for a run of the model section ``mcfg`` (and
     ``paths.cache``); its record for report.json. The tokenizer comes from the source's GGUF
     file or Hugging Face directory, where the model came from one."""
-    from bake.models.sources import source_for
 
     t0 = time.perf_counter()
     source = source_for(mcfg, cache)
@@ -299,7 +298,6 @@ def for_run(mcfg, cache, run_dir: Path, kind: str, out: Path) -> dict:
 
 def _source_refusal(run_cfg) -> str | None:
     """Why llama.cpp cannot run any export of the run's model (``model=tiny``), if so."""
-    from bake.models.sources import source_for
 
     return source_for(run_cfg.model, run_cfg.paths.cache).llama_cpp_refusal()
 

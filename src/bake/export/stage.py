@@ -21,11 +21,14 @@ from typing import TYPE_CHECKING
 import torch
 
 from bake.errors import BakeError, resume_arg
+from bake.export import gguf
 from bake.export import model as writer
-from bake.export.artifact import measure
+from bake.export.artifact import measure, scored_texts
 from bake.export.card import write_card
+from bake.models import bpb
 from bake.phases.structure import Keep, aligned_after
 from bake.storage.files import staged
+from bake.tracking.plots import kept_plot, phase_a_plot, phase_b_plot
 
 if TYPE_CHECKING:
     from bake.models.vocab import Trim
@@ -190,7 +193,6 @@ def _gguf(ctx: RunContext, stage: Path) -> dict | None:
     kind = ctx.settings.export.gguf
     if kind == "none":
         return None
-    from bake.export import gguf
 
     s = ctx.settings
     info = gguf.for_run(s.model, s.cache, stage, kind, stage / "model.gguf")
@@ -205,9 +207,6 @@ def _trimmed_reference(stack, model_dir: Path, texts, keep: Keep, out: Outcome, 
     with the softmax over the kept tokens: what the trimmed artifact must reproduce."""
     from transformers import AutoTokenizer
 
-    from bake.export.artifact import scored_texts
-    from bake.models import bpb
-
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = scored_texts(tokenizer, texts, stack.lm.config)
     kept = torch.tensor(trim.kept, dtype=torch.long)
@@ -216,8 +215,6 @@ def _trimmed_reference(stack, model_dir: Path, texts, keep: Keep, out: Outcome, 
 
 
 def _plots(stage: Path, out: Outcome, keep: Keep, inter: int) -> None:
-    from bake.tracking.plots import kept_plot, phase_a_plot, phase_b_plot
-
     plots = stage / "plots"
     if out.result.evaluations:
         phase_a_plot(

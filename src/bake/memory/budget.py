@@ -14,6 +14,7 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bake.corpus.documents import largest
 from bake.errors import BakeError, ConfigError
 from bake.memory.plan import (
     BASE,
@@ -29,6 +30,8 @@ from bake.memory.plan import (
     loaded,
     stage_bytes,
 )
+from bake.models.sources import read_shape
+from bake.tracking.measure import rss_mb
 
 if TYPE_CHECKING:
     from bake.models.shape import Shape
@@ -59,7 +62,6 @@ def free_ram() -> int | None:
 def _ram_available() -> int | None:
     """Free RAM plus this process's own resident memory, which the plan's peaks include; None
     where /proc/meminfo does not exist."""
-    from bake.tracking.measure import rss_mb
 
     free = free_ram()
     return None if free is None else free + int((rss_mb() or 0) * (1 << 20))
@@ -193,8 +195,6 @@ def measured_base() -> int:
     import transformers  # noqa: F401
     from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
 
-    from bake.tracking.measure import rss_mb
-
     now = rss_mb()
     return BASE if now is None else int(now * MIB) + BASE - IMPORTS
 
@@ -202,7 +202,6 @@ def measured_base() -> int:
 def corpus_bytes(settings: Settings) -> int:
     """The largest document the corpus reads whole (0 when it cannot be listed yet: loading
     it names the problem)."""
-    from bake.corpus.documents import largest
 
     try:
         return largest(settings.corpus)
@@ -214,7 +213,6 @@ def planned(settings: Settings, device: str) -> tuple[Plan, Shape, Knobs]:
     """The peaks of this bake on ``device`` ("cpu" or "cuda"; on a GPU, the host's too), held
     against nothing yet: also what a launcher asks a cluster for before the job runs
     (:mod:`bake.sweeps.launchers`). Returns the plan, the model's shape and the knobs."""
-    from bake.models.sources import read_shape
 
     shape = read_shape(settings.model, settings.meta, settings.cache)
     knobs = Knobs.of(settings, shape, device)

@@ -26,6 +26,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from bake.models.shape import Shape
+from bake.models.stack import LOGIT_BUDGET
 
 if TYPE_CHECKING:
     from bake.phases.settings import Settings
@@ -123,7 +124,6 @@ class Knobs:
 def _eval(s: Shape, k: Knobs, batch: int, observe: bool = False) -> int:
     """Tensors of one forward without gradient over ``batch`` chunks (bake.models.stack.held_nll):
     the residual stream, the widest of attention, FFN and the head's logit block."""
-    from bake.models.stack import LOGIT_BUDGET
 
     bt, rows = batch * k.chunk, batch * (k.chunk - 1)
     q, kv = s.heads * s.head_dim, s.kv_heads * s.head_dim
@@ -142,7 +142,6 @@ def _step(s: Shape, k: Knobs, weights: int) -> int:
     ``weights`` layers whose weights train), or with activation checkpointing the stream alone
     plus one layer's recomputed FFN; the head's saved gradient and its logit block, one layer's
     backward temporaries."""
-    from bake.models.stack import LOGIT_BUDGET
 
     t, h, i = k.chunk, s.hidden, s.inter
     visits = s.layers * s.loops

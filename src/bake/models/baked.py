@@ -26,6 +26,7 @@ from torch import nn
 from bake.errors import BakeError
 from bake.models import families
 from bake.models.files import layer_widths
+from bake.models.stack import Stack
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel
@@ -55,8 +56,6 @@ class LoopedCausalLM(nn.Module):
         self.config = lm.config
 
     def stack(self):
-        from bake.models.stack import Stack
-
         return Stack(self.lm, self.loops, self.loop_norm)
 
     def gates(self) -> list[torch.Tensor]:

@@ -19,6 +19,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from bake.models.stack import _head_pass
+
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
@@ -110,7 +112,6 @@ def stack_nll(
     a trimmed vocabulary), ``data`` is in the trimmed ids: inputs are mapped back to the
     original embedding rows and the softmax runs over the kept head rows only, which is what
     the trimmed artifact computes."""
-    from bake.models.stack import _head_pass
 
     weight = stack.head.weight if kept is None else stack.head.weight[kept.to(stack.device)]
     total = 0.0

@@ -12,6 +12,7 @@ from pathlib import Path
 
 from bake.config import layout
 from bake.errors import BakeError
+from bake.storage.cache import building
 
 
 def fingerprint(*parts) -> str:
@@ -95,8 +96,6 @@ def _assembled(mcfg, cache: str | Path | None) -> Path:
         raise BakeError("paths.cache: needed to assemble the model file; set it")
     target = Path(cache).expanduser() / "gguf" / mcfg.gguf_file
 
-    from bake.storage.cache import building
-
     with building(target):  # bakes at once assemble it once
         return _assemble_once(
             target,
@@ -141,8 +140,6 @@ def _from_pieces(mcfg, cache: str | Path | None) -> Path:
                 with open(part, "rb") as fh:
                     shutil.copyfileobj(fh, out, 1 << 24)
         _check_gguf(tmp, parts)
-
-    from bake.storage.cache import building
 
     with building(target):  # bakes at once assemble it once
         return _assemble_once(

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.models.sources import source_for
+from bake.models.stack import Stack
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -59,7 +60,6 @@ def model_key(mcfg, cache_dir: Path | None = None) -> str:
 
 def load_model(mcfg, cache_dir: Path) -> LoadedModel:
     """Load (or reuse, within this process) the configured backbone."""
-    from bake.models.stack import Stack
 
     source = source_for(mcfg, cache_dir)
     meta = source.meta()

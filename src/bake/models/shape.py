@@ -14,6 +14,7 @@ from pathlib import Path
 
 from bake.models.files import gguf_header, weight_files
 from bake.models.meta import ModelMeta
+from bake.models.tiny import VOCAB_SIZE
 
 _DTYPE_BYTES = {"bfloat16": 2, "float16": 2, "float32": 4, "float64": 8}
 
@@ -104,7 +105,6 @@ def from_config(
 
 def tiny_shape(t, meta: ModelMeta) -> Shape:
     """The tiny model's shape (``t``: the ``model.tiny`` section)."""
-    from bake.models.tiny import VOCAB_SIZE
 
     cfg = {
         "hidden_size": t.hidden_size,

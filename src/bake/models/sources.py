@@ -36,6 +36,10 @@ from bake.models.files import (
     weight_files,
 )
 from bake.models.meta import ModelMeta, loop_norm, one_width
+from bake.models.shape import from_config, gguf_shape, shards, tiny_shape
+from bake.models.tiny import build_tiny
+from bake.storage import cache
+from bake.storage.files import atomic_dir
 
 if TYPE_CHECKING:
     from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -105,13 +109,9 @@ class TinySource(Source):
         return f"tiny-{fingerprint(*parts, t.max_positions, t.init_seed)}"
 
     def shape(self, meta: ModelMeta) -> Shape:
-        from bake.models.shape import tiny_shape
-
         return tiny_shape(self.mcfg.tiny, meta)
 
     def load(self) -> Loaded:
-        from bake.models.tiny import build_tiny
-
         mcfg = self.mcfg
         lm, tokenizer = build_tiny(mcfg.tiny, mcfg.loops or 1, mcfg.loop_norm is not False)
         return finish(lm), tokenizer, False
@@ -176,8 +176,6 @@ class HfSource(Source):
         )
 
     def shape(self, meta: ModelMeta) -> Shape:
-        from bake.models.shape import from_config, shards
-
         directory = Path(meta.source)
         # a model_type bake does not reproduce is refused when the model is loaded (with what
         # its layers are); planned meanwhile as transformers loads it
@@ -251,8 +249,6 @@ class GgufSource(Source):
         return None
 
     def shape(self, meta: ModelMeta) -> Shape:
-        from bake.models.shape import gguf_shape
-
         family = families.get(meta.model_type, f"model.gguf_file={self.mcfg.gguf_file}")
         return gguf_shape(Path(meta.source), meta, self.converted(), family.sandwich)
 
@@ -264,8 +260,6 @@ class GgufSource(Source):
     def _cached(self) -> tuple[Path, bool]:
         """The converted copy under the cache, converting it when needed."""
         import transformers
-
-        from bake.storage import cache
 
         src, mcfg = self.file(), self.mcfg
         assert self.cache is not None  # paths.cache: always set by the config
@@ -281,9 +275,6 @@ class GgufSource(Source):
         """The GGUF file, dequantized by transformers, saved as fp32 safetensors at ``out``."""
         import torch
         from transformers import AutoModelForCausalLM, AutoTokenizer
-
-        from bake.storage import cache
-        from bake.storage.files import atomic_dir
 
         mcfg = self.mcfg
         log.info("model: converting %s to fp32 safetensors (once; cached in %s)", src.name, out)

@@ -22,6 +22,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from bake.models import families
+
 LOGIT_BUDGET = 1 << 22  # elements of one logits block (16 MiB in fp32): rows = budget // vocab
 FfnOverride = Mapping[int, Sequence[Tensor]]  # physical layer -> (gate, up, down) weights
 Observer = Callable[[int, Tensor], None]
@@ -41,8 +43,6 @@ class Stack:
     """
 
     def __init__(self, lm, loops: int = 1, loop_norm: bool = True):
-        from bake.models import families
-
         self.lm = lm.requires_grad_(False)  # the backbone is frozen: no weight gradients, ever
         core = lm.model
         self.embed = core.embed_tokens

@@ -29,6 +29,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.errors import BakeError
+from bake.models.tiny import bytes_to_unicode
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -93,7 +94,6 @@ def _uses(node, kind: str) -> bool:
 
 def alphabet(tok_json: dict) -> set[str]:
     """The tokens any text can fall back to: the byte-level alphabet or the byte tokens."""
-    from bake.models.tiny import bytes_to_unicode
 
     model = _bpe(tok_json)
     vocab = model["vocab"]

@@ -16,7 +16,9 @@ import torch
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
-from bake.errors import TrainingDiverged, resume_arg
+from bake.errors import BakeError, TrainingDiverged, resume_arg
+from bake.storage.cache import checksum, seal
+from bake.tracking.console import interactive, quiet_libraries
 
 if TYPE_CHECKING:
     from lightning import LightningModule, Trainer
@@ -138,8 +140,6 @@ class Identity:
     config_hash: str
 
     def check(self, stored: dict | None, what: str) -> None:
-        from bake.errors import BakeError
-
         if stored is None:
             raise BakeError(f"{what}: not a bake checkpoint (no identity stored)")
         for field in ("model_key", "config_hash"):
@@ -154,7 +154,6 @@ class Identity:
 def quiet_lightning() -> None:
     """Keep Lightning's start-up chatter (accelerator lines, tips) and the warnings a user
     cannot act on out of the bake's output (see :mod:`bake.tracking.console`)."""
-    from bake.tracking.console import quiet_libraries
 
     quiet_libraries()
 
@@ -214,8 +213,6 @@ def _streaming_io():
 
     class StreamingCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
-            from bake.storage.cache import seal
-
             path = Path(path)
             path.parent.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.tmp")
@@ -244,8 +241,6 @@ def make_trainer(
     from hydra.utils import instantiate
     from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
     from omegaconf import OmegaConf
-
-    from bake.tracking.console import interactive
 
     quiet_lightning()
     evaluates = steps >= eval_every
@@ -313,8 +308,6 @@ def _cluster() -> list:
 def verified_checkpoint(path: Path) -> Path:
     """``path`` when it matches the checksum written beside it; BakeError naming it when not
     (a flipped byte or a truncated file is refused, never resumed from)."""
-    from bake.errors import BakeError
-    from bake.storage.cache import checksum
 
     side = path.with_name(path.name + ".sha256")
     try:

@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
+from bake.models import loader
 from bake.models.stack import FfnOverride, held_nll, perplexity
 from bake.ranks import rank_zero
 from bake.tracking import measure
@@ -88,7 +89,6 @@ class RunContext:
     def release_model(self) -> None:
         """Drop this process's references to the backbone (it is reloaded from the cache when
         needed again), so that the export can be loaded back without two models in memory."""
-        from bake.models import loader
 
         loader.forget_all()
         del self.model

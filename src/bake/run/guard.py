@@ -23,9 +23,11 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
+from bake.config.schema import resolved
 from bake.errors import BakeError, resume_arg
 from bake.ranks import rank_zero
-from bake.storage.record import LOCK
+from bake.storage.cache import digest
+from bake.storage.record import LOCK, RECORD, comparable, read_record, resume_changes
 
 _HELD: dict[str, int] = {}  # run dir -> open lock file descriptor of this process
 
@@ -37,7 +39,6 @@ def refuse(message: str, code: int = 1):
 
 def check_new_dir(run_dir: Path, what: str = "hydra.run.dir") -> None:
     """A new bake writes only into a directory that does not exist or is empty."""
-    from bake.storage.record import RECORD
 
     if not run_dir.exists():
         _check_writable(run_dir)
@@ -85,10 +86,6 @@ def _check_writable(path: Path) -> None:
 def check_resume(cfg, run_dir: Path) -> None:
     """``resume`` continues its own directory, with settings a resume may carry."""
     from omegaconf import OmegaConf
-
-    from bake.config.schema import resolved
-    from bake.storage.cache import digest
-    from bake.storage.record import RECORD, comparable, read_record, resume_changes
 
     resume = Path(str(cfg.resume)).expanduser()
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])

@@ -14,9 +14,19 @@ import sys
 import traceback
 from pathlib import Path
 
+from bake.config.layout import recipe_values
+from bake.config.schema import resolved
 from bake.errors import BakeError, ConfigError, StoreUnavailable, resume_arg
+from bake.memory import budget
+from bake.phases.settings import resolve
+from bake.run import guard
+from bake.run.pipeline import bake
+from bake.run.unused import ignored
 from bake.run.validate import validate
-from bake.storage.record import LOCK
+from bake.storage.record import LOCK, RECORD, changed_keys, comparable, describe
+from bake.tracking import console
+from bake.tracking.failures import record_failure
+from bake.tracking.sweep import record_failed_job
 
 log = logging.getLogger("bake")
 # A full disk, a quota, a read-only or forbidden place: one line, not a traceback.
@@ -52,7 +62,6 @@ def _discard_unused(run_dir: Path) -> None:
 
 def run_job(cfg) -> float:
     """Run one bake under Hydra; returns the exported held-out perplexity (NaN on failure)."""
-    from bake.run import guard
 
     hc, multirun = _hydra_context()
     run_dir = Path(hc.runtime.output_dir)
@@ -68,9 +77,6 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
     made with: BakeError naming the keys that differ (a search whose study was lost would ask
     other settings of the same job folder)."""
     import json
-
-    from bake.config.schema import resolved
-    from bake.storage.record import RECORD, changed_keys, comparable, describe
 
     try:
         record = json.loads((run_dir / RECORD).read_text())
@@ -94,8 +100,6 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
 
 
 def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
-    from bake.storage.record import RECORD
-
     if multirun and not cfg.resume and (run_dir / RECORD).is_file():
         # an earlier launch of this sweep started this job (the sweep continues, or a cluster
         # requeued the job): continue its bake exactly, as resume=<run dir> does
@@ -114,8 +118,6 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         return done
     try:
         meta = validate(cfg, multirun=multirun)
-        from bake.memory import budget
-        from bake.phases.settings import resolve
 
         settings = resolve(cfg, meta)  # the config, read once: every stage gets these
         plan = budget.check(settings)  # before any weight is read: refuses what cannot fit
@@ -124,8 +126,6 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         if not cfg.resume:
             _discard_unused(run_dir)
         if multirun:
-            from bake.tracking.sweep import record_failed_job
-
             record_failed_job(cfg, hc, str(exc))
             return _failed(hc, str(exc))
         sys.exit(2)
@@ -138,15 +138,11 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
         sys.exit(0)
 
     if multirun:
-        from bake.run import guard
-
         try:
             guard.claim_job(cfg, run_dir)
         except BakeError as exc:
             print(f"bake: {exc}", file=sys.stderr)
             return _failed(hc, str(exc))
-
-    from bake.tracking import console
 
     try:
         console.allow_interrupts()  # a Ctrl-C pressed during the imports is raised here
@@ -158,10 +154,6 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
             raise
         sys.exit(console.interrupt_code())
     try:
-        from bake.config.layout import recipe_values
-        from bake.run.pipeline import bake
-        from bake.run.unused import ignored
-
         console.setup()  # log lines around the progress bars; no library bars or chatter
         overrides = list(getattr(getattr(hc, "overrides", None), "task", None) or [])
         name = (getattr(getattr(hc, "runtime", None), "choices", None) or {}).get("model_recipe")
@@ -202,7 +194,6 @@ def _run(cfg, hc, multirun: bool, run_dir: Path) -> float:
 
 def _failed(hc, reason: str) -> float:
     """A sweep job's failure, recorded for the sweep's exit code; NaN to the sweeper."""
-    from bake.tracking.failures import record_failure
 
     record_failure(Path(hc.sweep.dir), int(hc.job.num), " ".join(hc.overrides.task), reason)
     return math.nan

@@ -16,11 +16,29 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from bake.corpus.splits import (
+    bos_prefix,
+    calibration_texts,
+    changed_files,
+    load_corpus,
+    source_files,
+)
 from bake.errors import BakeError
+from bake.export import stage as export
+from bake.export.artifact import scored_texts
+from bake.models import bpb, vocab
+from bake.models.frozen import store_bf16
+from bake.models.loader import forget, load_model
 from bake.phases import structure
 from bake.phases.context import Outcome, RunContext
+from bake.phases.phase_a import stage
+from bake.phases.phase_a import stage as phase_a
+from bake.phases.phase_b import least_squares, train
+from bake.phases.phase_b.repaired import Repaired
 from bake.ranks import rank_zero
+from bake.run import report
 from bake.storage.record import open_record, params_of
+from bake.task import stage as task_stage
 from bake.tracking import measure
 from bake.tracking.sweep import job_name, multirun, parent_id
 from bake.tracking.tracker import Tracker, reopen_run, start_run
@@ -131,10 +149,6 @@ def _log_evaluation(tracker: Tracker, prefix: str, ev: dict, offset: int = 0) ->
 
 
 def _load(ctx: RunContext) -> None:
-    from bake.corpus.splits import load_corpus
-    from bake.models.loader import load_model
-    from bake.phases.phase_a import stage
-
     s = ctx.settings
     ctx.model = _timed(ctx, "load", load_model, s.model, ctx.cache)
     tokenizer = ctx.model.tokenizer
@@ -143,9 +157,6 @@ def _load(ctx: RunContext) -> None:
     )
     _same_corpus(ctx)
     if s.frozen_bf16:
-        from bake.models.frozen import store_bf16
-        from bake.models.loader import forget
-
         forget(ctx.model)  # its weights change: a later bake of this process loads them anew
         store_bf16(ctx.model.lm)
         measure.trim()
@@ -172,7 +183,6 @@ def _load(ctx: RunContext) -> None:
 def _same_corpus(ctx: RunContext) -> None:
     """A new run records the corpus it trains on; a resume refuses a corpus whose text changed
     since (its checkpoints were made on the old text), naming the file that was edited."""
-    from bake.corpus.splits import changed_files, source_files
 
     stages, key = ctx.record.stages, ctx.corpus.content_key
     if not ctx.settings.resume or "corpus_key" not in stages:
@@ -196,10 +206,6 @@ def _same_corpus(ctx: RunContext) -> None:
 
 def _stages(ctx: RunContext) -> float:
     import lightning as L
-
-    from bake.phases.phase_a import stage as phase_a
-    from bake.phases.phase_b import least_squares, train
-    from bake.phases.phase_b.repaired import Repaired
 
     s, t_start = ctx.settings, time.perf_counter()
     L.seed_everything(s.seed, workers=True, verbose=False)
@@ -246,9 +252,6 @@ def _stages(ctx: RunContext) -> float:
 
 def _finish(ctx: RunContext, out: Outcome) -> float:
     """Export, report, summary; returns the exported held-out perplexity."""
-    from bake.export import stage as export
-    from bake.run import report
-    from bake.task import stage as task_stage
 
     if not rank_zero():
         return out.overlaid  # other DDP ranks: the artifact is rank zero's
@@ -265,9 +268,6 @@ def _finish(ctx: RunContext, out: Outcome) -> float:
 def _backbone_bits(ctx: RunContext) -> None:
     """The chunks' text per split, and the backbone's bits per byte on it
     (:mod:`bake.models.bpb`)."""
-    from bake.corpus.splits import bos_prefix
-    from bake.export.artifact import scored_texts
-    from bake.models import bpb
 
     tok, stack = ctx.model.tokenizer, ctx.model.stack
     prefix = bool(bos_prefix(tok))
@@ -280,8 +280,6 @@ def _backbone_bits(ctx: RunContext) -> None:
 
 def _vocab(ctx: RunContext) -> Trim:
     """The task-trimmed vocabulary: tokens counted over every calibration document."""
-    from bake.corpus.splits import calibration_texts
-    from bake.models import vocab
 
     e, tok = ctx.settings.export, ctx.model.tokenizer
     counts = vocab.count_tokens(tok, calibration_texts(ctx.settings.corpus, ctx.corpus))

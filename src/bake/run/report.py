@@ -16,6 +16,7 @@ from bake.phases import masks
 from bake.phases.structure import reaches
 from bake.task.stage import line as task_line
 from bake.task.stage import metrics as task_metrics
+from bake.tracking.tracker import ui_hint
 
 if TYPE_CHECKING:
     from bake.export.stage import Exported
@@ -246,7 +247,5 @@ def print_summary(report: dict, tcfg) -> None:
         f"  artifact             {report['artifact']}",
     ]
     if tcfg.enabled:
-        from bake.tracking.tracker import ui_hint
-
         lines += ui_hint(tcfg.uri)
     print("\n".join(lines) + "\n", flush=True)

@@ -13,6 +13,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from bake.phases import phase_a
+from bake.phases.settings import trains
+
 if TYPE_CHECKING:
     from bake.models.meta import ModelMeta
 
@@ -60,7 +63,6 @@ def _layers_off(cfg) -> str | None:
 
 def _nothing_trains(cfg) -> str | None:
     """Neither phase trains: a training-free Phase A and no Phase B."""
-    from bake.phases.settings import trains
 
     if trains(str(cfg.phase_a.method)) or cfg.phase_b.enabled:
         return None
@@ -156,7 +158,6 @@ def _phase_a(cfg, meta: ModelMeta) -> dict[str, str]:
     """phase_a key -> the setting that leaves it unread: the keys the composed method does not
     read at all, those it does not read with its other settings, and shared_visits on a model
     that does not loop."""
-    from bake.phases import phase_a
 
     a = cfg.phase_a
     method = phase_a.method(str(a.method))

@@ -10,12 +10,20 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-from bake.config import CorpusSource
+from bake import config as c
+from bake.config import BakeConf, CorpusSource
 from bake.config.schema import MIN_CALIB_CHUNKS
 from bake.errors import BakeError, ConfigError
+from bake.export import gguf, llamacpp
+from bake.models import families
+from bake.models.files import read_config_json
+from bake.models.loader import model_key
 from bake.models.meta import ModelMeta
-from bake.models.sources import read_meta
+from bake.models.sources import read_meta, source_for
 from bake.phases.phase_b.teacher import teacher_dir_problem, teacher_model_problem
+from bake.phases.settings import least_squares_chooses
+from bake.task import problems as task_problems
+from bake.tracking.tracker import store_problems
 
 
 def _ranges(cfg, problems: list[str]) -> None:
@@ -132,8 +140,6 @@ def _sources(cfg, problems: list[str]) -> None:
         elif not Path(c.path).expanduser().is_file():
             problems.append(f"corpus.path={c.path}: no such file")
     if cfg.tracking.enabled:
-        from bake.tracking.tracker import store_problems
-
         problems += store_problems(cfg.tracking)
     teacher = str(cfg.phase_b.teacher)
     reads_teacher = cfg.phase_b.enabled and cfg.phase_b.distill > 0  # else it is never read
@@ -176,7 +182,6 @@ def _task(cfg, problems: list[str]) -> None:
     if OmegaConf.is_missing(t, "path") or not t.path:
         problems.append("task.path: task=unit_tests needs a JSON Lines file of problems")
         return
-    from bake.task import problems as task_problems
 
     try:
         items = task_problems.load(t)
@@ -189,7 +194,6 @@ def _task(cfg, problems: list[str]) -> None:
 
 def _teacher(cfg, meta: ModelMeta, problems: list[str]) -> None:
     """A finished bake as the teacher: of this model, with its loop count (before training)."""
-    from bake.models.loader import model_key
 
     teacher, b = str(cfg.phase_b.teacher), cfg.phase_b
     if teacher in ("backbone", "dense") or not (b.enabled and b.distill > 0):
@@ -233,7 +237,6 @@ def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
 def _reconstruction(cfg, meta: ModelMeta, problems: list[str]) -> None:
     """phase_a=reconstruction chooses the neurons in the least-squares pass, at the widths that
     ship, one structure per physical layer."""
-    from bake.phases.settings import least_squares_chooses
 
     if not least_squares_chooses(str(cfg.phase_a.method)):
         return
@@ -271,10 +274,6 @@ def _target(cfg, meta: ModelMeta, problems: list[str]) -> None:
 
 def _gguf(cfg, meta: ModelMeta, problems: list[str]) -> None:
     """What a GGUF file can hold, known before anything is trained (:mod:`bake.export.gguf`)."""
-    from bake.export import gguf, llamacpp
-    from bake.models import families
-    from bake.models.files import read_config_json
-    from bake.models.sources import source_for
 
     e, kind = cfg.export, str(cfg.export.gguf)
     if kind == "none":
@@ -363,8 +362,6 @@ def _unknown_keys(cfg, problems: list[str]) -> None:
 
     from omegaconf import OmegaConf
 
-    from bake.config import BakeConf
-
     def walk(node, schema, prefix: str) -> None:
         if not is_dataclass(schema) or not OmegaConf.is_dict(node):
             return
@@ -392,7 +389,6 @@ def _schema_of(field_):
     if field_.default_factory is not MISSING:
         value = field_.default_factory()
         return type(value) if is_dataclass(value) else None
-    from bake import config as c
 
     names = {
         "model": c.ModelConf,

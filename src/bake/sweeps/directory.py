@@ -17,9 +17,11 @@ from pathlib import Path
 
 from hydra.experimental.callback import Callback
 
-from bake.errors import BakeError
+from bake.errors import BakeError, resume_arg
+from bake.run.guard import acquire, check_new_dir, holder, refuse, release
 from bake.storage.record import LOCK, RECORD, free
 from bake.sweeps.checks import launcher_problem, sweeper_problem
+from bake.tracking.failures import failures
 
 SWEEP_FILE = "multirun.yaml"  # Hydra's record of the sweep: its config and overrides
 FAILED = "failed_jobs.jsonl"  # bake.tracking.failures
@@ -102,7 +104,6 @@ def check(task: list[str], sweep_dir: Path) -> bool:
     """Before a sweep writes into ``sweep_dir``: True when it continues the sweep there (the same
     overrides), False when the directory is new or empty; BakeError when it belongs to someone
     else, to another sweep, or to a sweep still running."""
-    from bake.run.guard import check_new_dir, holder
 
     sweep_dir = Path(sweep_dir)
     if not sweep_dir.is_dir() or not any(sweep_dir.iterdir()):
@@ -214,7 +215,6 @@ def _quoted(path: str) -> str:
 
 def continue_command(sweep_dir: Path) -> str:
     """The command that continues the sweep in ``sweep_dir``, as a user pastes it."""
-    from bake.errors import resume_arg
 
     return f"python -m bake {resume_arg(os.path.abspath(sweep_dir))}"
 
@@ -226,7 +226,6 @@ LAUNCHED: list[Path] = []
 def release_launched() -> None:
     """The lock of the sweep this process launched, released however the sweep ended (the
     kernel releases it too when the process ends; a sweep run in-process needs it now)."""
-    from bake.run.guard import release
 
     for sweep_dir in LAUNCHED:
         release(sweep_dir)
@@ -238,8 +237,6 @@ class SweepGuard(Callback):
     at a time (the directory's lock); it ends with exit code 1 naming its failed jobs."""
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        from bake.run.guard import acquire, refuse
-
         t = config.trainer
         if str(t.strategy) == "ddp" or t.devices * t.num_nodes > 1:
             refuse(
@@ -273,8 +270,6 @@ class SweepGuard(Callback):
 
     def on_multirun_end(self, config, **kwargs) -> None:
         """A sweep with failed jobs exits 1, naming them (the others' results stay)."""
-        from bake.run.guard import refuse, release
-        from bake.tracking.failures import failures
 
         sweep_dir = getattr(self, "_sweep_dir", Path(str(config.hydra.sweep.dir)))
         release(sweep_dir)

@@ -22,7 +22,12 @@ import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
+from bake.memory.budget import free_ram, planned
 from bake.memory.plan import GIB, gib
+from bake.phases.settings import resolve
+from bake.run.guard import refuse
+from bake.run.validate import validate
+from bake.tracking.failures import record_failure
 
 if TYPE_CHECKING:
     from bake.memory.plan import Plan
@@ -44,9 +49,6 @@ def job_config(launcher, overrides: Sequence[str]):
 def job_plans(launcher, job_overrides: Sequence[Sequence[str]], device: str) -> list[Plan | None]:
     """Each job's memory plan on ``device`` ("cpu" or "cuda"); None for a job whose plan cannot
     be made here (its config is refused: the job says why when it runs)."""
-    from bake.memory.budget import planned
-    from bake.phases.settings import resolve
-    from bake.run.validate import validate
 
     plans: list[Plan | None] = []
     for overrides in job_overrides:
@@ -80,7 +82,6 @@ def uses_gpu(params: dict[str, Any]) -> bool:
 def check_accelerator(launcher, job_overrides: Sequence[Sequence[str]], gpus: bool) -> None:
     """Jobs that ask the cluster for a GPU must train on it, and the other way round: exit 2
     naming both settings."""
-    from bake.run.guard import refuse
 
     for overrides in job_overrides:
         try:
@@ -171,8 +172,6 @@ def launch_local(launcher, job_overrides: Sequence[Sequence[str]], initial_job_i
     from hydra.core.singleton import Singleton
     from hydra.core.utils import filter_overrides
 
-    from bake.memory.budget import free_ram
-
     params = dict(launcher.params)
     parallel = params.pop("parallel", None)
     executor = submitit.AutoExecutor(
@@ -222,8 +221,6 @@ def run_windowed(
     threads. Returns their results in job order; a job that ended without a result (killed by
     the kernel, out of memory) is a failed job of the sweep, not the end of it."""
     from hydra.core.utils import JobReturn, JobStatus
-
-    from bake.tracking.failures import record_failure
 
     pending = list(enumerate(job_params))
     running: list[tuple[int, tuple, Any]] = []

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bake.errors import BakeError
+from bake.storage.record import RECORD
 from bake.sweeps.checks import sweeper_problem
 from bake.sweeps.directory import STUDY, SWEEP_FILE
 
@@ -125,8 +126,6 @@ def _check_study(c, sweep_dir: Path) -> None:
     journal that cannot be read is named, and left as it is."""
     import optuna
     from optuna.exceptions import OptunaError
-
-    from bake.storage.record import RECORD
 
     jobs = (
         sorted(

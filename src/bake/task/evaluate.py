@@ -22,12 +22,15 @@ import sys
 import time
 from pathlib import Path
 
+from bake.config.layout import conf_dir
 from bake.config.schema import task_label as label
 from bake.errors import BakeError
+from bake.export.artifact import load_artifact
+from bake.export.llamacpp import need
 from bake.storage import cache
 from bake.storage.files import atomic_write
 from bake.task.generate import cut
-from bake.task.score import Score, TaskSpec, chosen, execute, score, spec_of
+from bake.task.score import Score, TaskSpec, _progress, chosen, execute, score, spec_of
 
 log = logging.getLogger("bake")
 USAGE = "usage: python -m bake.evaluate TARGET [task=humaneval] [task.limit=N ...]"
@@ -37,9 +40,6 @@ END_OF_TEXT = " [end of text]\n"  # what llama-completion prints when the model 
 def _compose(overrides: list[str], run_task: dict | None):
     from hydra import compose, initialize_config_dir
     from omegaconf import OmegaConf
-
-    import bake.config  # noqa: F401  (registers the schemas)
-    from bake.config.layout import conf_dir
 
     bad = [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith("task")]
     if bad or any("=" not in o for o in overrides):
@@ -85,8 +85,6 @@ def _hf_model(kind: str, path: Path):
     import torch
     from transformers import AutoTokenizer
 
-    from bake.export.artifact import load_artifact
-
     model_dir = path / "model" if kind == "run" else path
     config = _json(model_dir / "config.json") or {}
     fmt = str((config.get("bake") or {}).get("format", "stock"))
@@ -97,7 +95,6 @@ def _hf_model(kind: str, path: Path):
 def llama_completions(gguf: Path, prompts: list[str], spec: TaskSpec, progress=None) -> list[str]:
     """Greedy completions of ``prompts`` by llama.cpp's ``llama-completion`` (one process per
     prompt, the model's own tokenizer), stopped at ``spec``'s stop sequences."""
-    from bake.export.llamacpp import need
 
     tool = need("llama-completion")
     out = []
@@ -121,8 +118,6 @@ def llama_completions(gguf: Path, prompts: list[str], spec: TaskSpec, progress=N
 
 
 def _gguf_score(gguf: Path, spec: TaskSpec) -> Score:
-    from bake.task.score import _progress
-
     items = chosen(spec)
     t0 = time.perf_counter()
     bar = _progress(len(items), f"[T] {spec.name} {gguf.name}", spec.gen.batch)

@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from bake.errors import BakeError
+from bake.task import sandbox
 
 FIELDS = ("task_id", "prompt", "test", "entry_point")  # every record has them
 HUMANEVAL_SIZE = 164
@@ -112,7 +113,6 @@ def load(tcfg) -> list[Problem]:
 def failing_solutions(problems: list[Problem], timeout_s: float, memory_gib: float) -> list[str]:
     """One line for each problem whose canonical solution does not pass its own tests (each
     run in the sandbox): a problem no model can pass would only lower every score."""
-    from bake.task import sandbox
 
     given = [p for p in problems if p.canonical_solution is not None]
     limits = sandbox.Limits(timeout_s, memory_gib)

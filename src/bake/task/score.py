@@ -20,11 +20,14 @@ from pathlib import Path
 
 import torch
 
+from bake.models.stack import autocast_for
 from bake.storage import cache
+from bake.storage.files import atomic_write
 from bake.task import problems as problem_set
 from bake.task import sandbox
 from bake.task.generate import Generation, complete
 from bake.task.problems import Problem
+from bake.tracking import console
 
 log = logging.getLogger("bake")
 CODE = (
@@ -123,7 +126,6 @@ def score(
     model, tokenizer, items: list[Problem], spec: TaskSpec, label: str, precision: str = "fp32"
 ) -> Score:
     """``model``'s greedy completions of ``items``, each run against its tests."""
-    from bake.models.stack import autocast_for
 
     t0 = time.perf_counter()
     progress = _progress(len(items), f"[T] {spec.name} {label}", spec.gen.batch)
@@ -156,8 +158,6 @@ class _progress:
     """A bar on a terminal; otherwise a log line each ``every`` problems."""
 
     def __init__(self, total: int, what: str, every: int):
-        from bake.tracking import console
-
         self.total, self.what, self.every, self.done = total, what, max(1, every), 0
         self.t0 = time.perf_counter()
         self.bar = None
@@ -227,7 +227,6 @@ def backbone(
         finally:
             del model
         text = json.dumps({"results": out.results, "seconds": out.seconds}) + "\n"
-        from bake.storage.files import atomic_write
 
         with atomic_write(path) as tmp:
             tmp.write_text(text)

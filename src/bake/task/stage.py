@@ -13,7 +13,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.config.schema import task_label as label
-from bake.task import sandbox
+from bake.export.artifact import load_artifact
+from bake.models.baked import LoopedCausalLM
+from bake.models.loader import model_key
+from bake.models.sources import source_for
+from bake.models.stack import Stack
+from bake.task import problems, sandbox
 from bake.task.score import Score, TaskSpec, backbone, chosen, score, spec_of, write_results
 from bake.tracking import measure
 
@@ -30,8 +35,6 @@ def judge(settings: Settings, model_dir: Path, fmt: str, stage: Path) -> dict | 
     if not spec.enabled:
         return None
     from transformers import AutoTokenizer
-
-    from bake.export.artifact import load_artifact
 
     t0 = time.perf_counter()
     items = chosen(spec)
@@ -56,8 +59,6 @@ def judge(settings: Settings, model_dir: Path, fmt: str, stage: Path) -> dict | 
 
 
 def items_total(spec: TaskSpec) -> int:
-    from bake.task import problems
-
     return len(problems.load(spec))
 
 
@@ -115,8 +116,6 @@ def metrics(task: dict | None) -> dict[str, float | None]:
 
 
 def _model_key(settings: Settings) -> str:
-    from bake.models.loader import model_key
-
     return model_key(settings.model, settings.cache)
 
 
@@ -124,10 +123,6 @@ def _load_backbone(settings: Settings):
     """The backbone as transformers loads it (its converted files), in eval mode; a looped
     backbone runs its loops with every neuron open."""
     import torch
-
-    from bake.models.baked import LoopedCausalLM
-    from bake.models.sources import source_for
-    from bake.models.stack import Stack
 
     lm, tokenizer, _ = source_for(settings.model, settings.cache).load()
     lm.to(settings.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self

@@ -20,6 +20,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
+from bake.tracking.failures import failures
 from bake.tracking.runnames import model_label, run_name, split, sweep_spec
 
 DEFAULT_URI = "sqlite:///outputs/mlflow.db"
@@ -222,7 +223,6 @@ def rows_from_dir(sweep_dir: Path, problems: list[str] | None = None) -> list[di
     """One row per job of a sweep, from the files the jobs wrote: its directory, or for a job
     refused before it ran (an invalid config) its line in the sweep's record of failures, in
     job order. A file that cannot be read is left out of its row and named in ``problems``."""
-    from bake.tracking.failures import failures
 
     problems = [] if problems is None else problems
     lines, swept = sweep_spec(str(sweep_dir))

@@ -15,8 +15,27 @@ from typing import TYPE_CHECKING
 
 from hydra.experimental.callback import Callback
 
-from bake.tracking.runnames import model_label, run_name, split, sweep_spec, swept_overrides
-from bake.tracking.tracker import Tracker, client_for, experiment_id, start_run
+from bake.config.schema import resolved
+from bake.storage.record import params_of
+from bake.tracking.compare import (
+    child_runs,
+    format_table,
+    latest_per_job,
+    markdown_table,
+    row_from_run,
+    table_columns,
+)
+from bake.tracking.console import quiet_libraries
+from bake.tracking.plots import search_plot, sweep_plot
+from bake.tracking.runnames import (
+    model_label,
+    override_key,
+    run_name,
+    split,
+    sweep_spec,
+    swept_overrides,
+)
+from bake.tracking.tracker import Tracker, client_for, experiment_id, start_run, ui_hint
 
 if TYPE_CHECKING:
     from mlflow import MlflowClient
@@ -80,10 +99,6 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     holding what the sweep gives them (``0.1,0.2,0.3``)."""
     from omegaconf import OmegaConf
 
-    from bake.config.schema import resolved
-    from bake.storage.record import params_of
-    from bake.tracking.runnames import override_key
-
     job_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
     try:
         params = params_of(resolved(job_cfg))
@@ -117,8 +132,6 @@ class SweepCallback(Callback):
         self._search = False
 
     def on_multirun_start(self, config, **kwargs) -> None:
-        from bake.tracking.console import quiet_libraries
-
         quiet_libraries()  # before MLflow creates its database and says so
         if not config.tracking.enabled or config.plan:  # plan=true: every job only prints
             return
@@ -203,8 +216,6 @@ def summarise(
     store's ``uri``, the MLflow UI's), and put it, the best child's metrics and settings and the
     plot on the parent. ``search``: the jobs are an Optuna search's trials
     (``hydra/sweeper=bake_search``)."""
-    from bake.tracking.compare import child_runs, format_table, latest_per_job, row_from_run
-    from bake.tracking.tracker import ui_hint
 
     runs = latest_per_job(child_runs(client, parent))
     rows = [row_from_run(r) for r in runs]
@@ -236,8 +247,6 @@ def summarise(
     _log_table(tracker, rows)
     paths = [sweep_dir / "summary.txt", sweep_dir / "summary.json"]
     try:
-        from bake.tracking.plots import search_plot, sweep_plot
-
         if search:
             paths.append(search_plot(rows, sweep_dir / SEARCH_PLOT))
         else:
@@ -250,8 +259,6 @@ def summarise(
 
 
 def _log_table(tracker: Tracker, rows: list[dict]) -> None:
-    from bake.tracking.compare import table_columns
-
     try:
         tracker.table(table_columns(rows), "sweep_table.json")
     except Exception as exc:  # summary.txt and the description carry the same table
@@ -263,7 +270,6 @@ def description(
 ) -> str:
     """The parent run's description (markdown): what was swept, the best run and its settings,
     the table."""
-    from bake.tracking.compare import markdown_table
 
     keys = ", ".join(f"`{k}`" for k in swept) or "nothing"
     failed = sum(r["status"] == "FAILED" for r in rows)

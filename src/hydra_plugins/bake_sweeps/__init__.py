@@ -13,15 +13,15 @@ from typing import Any
 from hydra.core.config_store import ConfigStore
 from hydra.plugins.sweeper import Sweeper
 
-from bake.sweeps.search import SearchConf
+from bake.errors import BakeError
+from bake.run.guard import refuse
+from bake.sweeps.search import Search, SearchConf
 
 
 class BakeSearch(Sweeper):
     """``hydra/sweeper=bake_search``: :class:`bake.sweeps.search.Search`."""
 
     def __init__(self, **conf: Any) -> None:
-        from bake.sweeps.search import Search
-
         conf.pop("_target_", None)
         self.search = Search(SearchConf(**conf))
 
@@ -29,9 +29,6 @@ class BakeSearch(Sweeper):
         self.search.setup(hydra_context=hydra_context, task_function=task_function, config=config)
 
     def sweep(self, arguments: list[str]) -> Any:
-        from bake.errors import BakeError
-        from bake.run.guard import refuse
-
         try:
             return self.search.sweep(arguments)
         except BakeError as exc:
@@ -82,7 +79,7 @@ else:
         bake's plan and refusing a GPU the jobs would not use."""
 
         def launch(self, job_overrides, initial_job_idx):
-            from bake.sweeps import launchers
+            import bake.sweeps.launchers as launchers  # lazy: torch
 
             gpus = launchers.uses_gpu(self.params)
             launchers.check_accelerator(self, job_overrides, gpus)
@@ -97,7 +94,7 @@ else:
         once as the plan and the cores allow."""
 
         def launch(self, job_overrides, initial_job_idx):
-            from bake.sweeps import launchers
+            import bake.sweeps.launchers as launchers  # lazy: torch
 
             return launchers.launch_local(self, job_overrides, initial_job_idx)
 

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING
 import torch
 
 from bake.phases import masks
+from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
 from bake.phases.phase_a import scores
+from bake.phases.phase_a.mask import PhaseA, eval_every_note
 from bake.phases.phase_a.results import PhaseAResult
 
 if TYPE_CHECKING:
@@ -86,8 +88,6 @@ def initial_logits(ctx: RunContext) -> torch.Tensor:
 
 def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     """Phase A's training in its Lightning Trainer (resuming from ``last.ckpt`` on resume)."""
-    from bake.phases.common import Identity, fit, make_trainer, resume_point
-    from bake.phases.phase_a.mask import PhaseA, eval_every_note
 
     a = ctx.settings.phase_a
     note = eval_every_note(a.steps, a.eval_every)
@@ -118,7 +118,6 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
 def trained_ffn(module: PhaseA, phase_dir: Path) -> dict:
     """The FFN weights Phase A trained, as they were at the kept evaluation (``best.ckpt``,
     which follows the selection rule), or at the end when no evaluation was kept."""
-    from bake.phases.common import best_state
 
     chosen = module.choice().index is not None
     best = best_state(phase_dir) if chosen else None

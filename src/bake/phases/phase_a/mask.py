@@ -32,6 +32,7 @@ import lightning as L
 import torch
 from torch import Tensor, nn
 
+from bake.errors import BakeError
 from bake.models.stack import FfnOverride, Stack, autocast_for, perplexity
 from bake.phases import masks
 from bake.phases.common import (
@@ -295,8 +296,6 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         assert state is not None  # check() refuses a checkpoint without bake's state
         shape = tuple(checkpoint["state_dict"]["logits"].shape)
         if shape != tuple(self.logits.shape):
-            from bake.errors import BakeError
-
             raise BakeError(
                 f"resume (phase A checkpoint): mask shape {shape}, this model has "
                 f"{tuple(self.logits.shape)}"

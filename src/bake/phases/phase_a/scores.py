@@ -28,6 +28,8 @@ import torch
 from torch import Tensor
 
 from bake.models.stack import Stack
+from bake.storage import cache
+from bake.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from bake.phases.context import RunContext
@@ -62,9 +64,6 @@ def cached_stats(stack: Stack, calib: Tensor, path: Path) -> ActivationStats:
     """:func:`activation_stats`, read from ``path`` when an earlier run of the same model and
     corpus computed them (a full pass over the calibration set)."""
     from safetensors.torch import load_file, save_file
-
-    from bake.storage import cache
-    from bake.storage.files import atomic_write
 
     def reader(p: Path) -> ActivationStats:
         t = load_file(p)

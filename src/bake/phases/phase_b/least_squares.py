@@ -41,11 +41,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from bake.models import loader
 from bake.models.stack import FfnOverride, Stack
 from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
 from bake.phases.structure import compute_keep, select_repair
 from bake.ranks import rank_name
 from bake.storage.cache import digest
+from bake.storage.files import atomic_write
 
 if TYPE_CHECKING:
     from bake.phases.context import RunContext
@@ -236,7 +238,6 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     the returned Repaired carries that structure (``keep``) when the repair is kept; when it is
     not, Phase A's structure and weights go on.
     """
-    from bake.models import loader
 
     ls, distill = ctx.settings.least_squares, ctx.settings.phase_b.distill
     select = ctx.settings.phase_a.least_squares_chooses
@@ -336,8 +337,6 @@ def _save_downs(path, downs: list, mask, chosen: Tensor) -> None:
     """The repaired ``down_proj`` weights of a run and the structure they were solved for, for
     its resume (atomic)."""
     from safetensors.torch import save_file
-
-    from bake.storage.files import atomic_write
 
     tensors = {f"down.{li}": d.detach().cpu() for li, d in enumerate(downs)}
     extra = {"mask": mask.cpu(), "chosen": chosen.to(torch.uint8).flatten().cpu()}

@@ -41,6 +41,7 @@ from bake.phases.common import (
     held_loader,
     step_loader,
 )
+from bake.phases.phase_b.adafactor import Adafactor
 from bake.phases.settings import PhaseBSettings
 from bake.phases.structure import select_repair
 from bake.tracking import measure
@@ -77,8 +78,6 @@ def lr_at(step: int, settings: PhaseBSettings, loops: int, layers: int = 1) -> f
 def make_optimizer(name: str, params: list, lr: float) -> torch.optim.Optimizer:
     """Phase B's optimiser (no weight decay: the weights behind dropped neurons stay put)."""
     if name == "adafactor":
-        from bake.phases.phase_b.adafactor import Adafactor
-
         return Adafactor(params, lr=lr)  # an absolute learning rate, as Adam's
     if name == "sgd":
         return torch.optim.SGD(params, lr=lr, momentum=0.9)

@@ -23,6 +23,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.errors import TrainingDiverged
+from bake.phases.common import fit, make_trainer
+from bake.storage.files import atomic_write
 from bake.tracking import measure
 
 if TYPE_CHECKING:
@@ -74,7 +76,6 @@ def choose_lr(
     (None without a probe). ``build`` makes a fresh module from the start's weights for some
     settings; ``reset`` puts the start's weights back after a candidate trained them in place.
     """
-    from bake.phases.common import fit, make_trainer
 
     if not settings.probes:
         return settings, None
@@ -129,7 +130,6 @@ def choose_lr(
             list(settings.lr_probe),
         )
     folder.mkdir(parents=True, exist_ok=True)
-    from bake.storage.files import atomic_write
 
     with atomic_write(saved) as tmp:
         Path(tmp).write_text(json.dumps(info))

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from bake.models.stack import FfnOverride
+from bake.storage.files import atomic_write, save_streaming
 
 if TYPE_CHECKING:
     from bake.phases.structure import Keep
@@ -35,7 +36,6 @@ class Repaired:
 def save_values(path: Path, tensors: list) -> None:
     """The values of ``tensors``, written one at a time (atomic): what an in-place repair
     restores when it is not kept."""
-    from bake.storage.files import atomic_write, save_streaming
 
     parts = [(f"t.{i}", tuple(t.shape), t.detach) for i, t in enumerate(tensors)]
     with atomic_write(path) as tmp:

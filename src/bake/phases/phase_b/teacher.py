@@ -32,9 +32,14 @@ import torch
 from bake.errors import BakeError
 from bake.models import families
 from bake.models.stack import FfnOverride
+from bake.phases.common import Identity, best_state, fit, make_trainer
+from bake.phases.phase_b.module import PhaseB
+from bake.phases.phase_b.probe import choose_lr
+from bake.phases.phase_b.repaired import Repaired, outcome
 from bake.ranks import rank_zero
 from bake.storage import cache
 from bake.storage.cache import building, code_digest, digest
+from bake.storage.files import atomic_write
 from bake.tracking import measure
 
 if TYPE_CHECKING:
@@ -246,10 +251,6 @@ def _dense(ctx: RunContext) -> Teacher:
 def _train_dense(ctx: RunContext) -> Teacher:
     """Phase B with every neuron kept, from the backbone, next-token loss only; kept when an
     evaluation beats the backbone (the repairs' selection rule)."""
-    from bake.phases.common import Identity, best_state, fit, make_trainer
-    from bake.phases.phase_b.module import PhaseB
-    from bake.phases.phase_b.probe import choose_lr
-    from bake.phases.phase_b.repaired import Repaired, outcome
 
     stack = ctx.model.stack
     t0 = time.perf_counter()
@@ -298,8 +299,6 @@ def _train_dense(ctx: RunContext) -> Teacher:
 
 def _save(path: Path, teacher: Teacher) -> None:
     from safetensors.torch import save_file
-
-    from bake.storage.files import atomic_write
 
     tensors = {
         f"{li}.{j}": w.detach().cpu().contiguous()

@@ -15,7 +15,10 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bake.models import loader
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
+from bake.phases.phase_b import teacher as teachers
+from bake.phases.phase_b.module import PhaseB
 from bake.phases.phase_b.probe import choose_lr
 from bake.phases.phase_b.repaired import Repaired, outcome, restore_values, save_values
 from bake.ranks import rank_name
@@ -34,13 +37,11 @@ log = logging.getLogger("bake")
 
 def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluation) -> Repaired:
     """Phase B's gradient repair of the chosen layers, from the weights so far."""
-    from bake.phases.phase_b.module import PhaseB
 
     stack, a = ctx.model.stack, ctx.settings.phase_a
     settings = replace(ctx.settings.phase_b, baseline=start.ppl)
     if not settings.enabled:
         return Repaired(start.ffn, start.ppl, {"enabled": False, "note": "phase_b.enabled=false"})
-    from bake.phases.phase_b import teacher as teachers
 
     teacher = teachers.resolve(ctx)  # the dense one trains (or is read from the cache) here
     gates = keep.visits.float()
@@ -79,8 +80,6 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     start_file = ctx.run_dir / "checkpoints" / f"phase_b_start.{rank_name()}.safetensors"
     trained = list(module.ffn) if settings.in_place else []  # (copies: not held past the probe)
     if settings.in_place:  # the weights it trains are the bake's own: saved to come back to
-        from bake.models import loader
-
         loader.forget(ctx.model)  # a later bake in this process must load the backbone anew
         if not start_file.is_file():  # (a resumed bake wrote it before its first step)
             save_values(start_file, trained)
