@@ -213,3 +213,38 @@ def test_the_switch_finder_finds_a_switch():
     tree = ast.parse("a = t == 'llama'\nb = t.startswith('gemma')\nc = t in ('llama', 'x')\n")
     assert len(_switches(tree, names)) == 3
     assert _switches(ast.parse("a = t == 'silu'\nb = 'llama'\n"), names) == []
+
+
+def _inner_imports() -> list[tuple[str, int, str, bool]]:
+    """Every import inside a function over all of ``src/``: (file, line, the statement's source
+    lines, whether it imports bake's own modules)."""
+    found = []
+    for path in sorted(ROOT.rglob("*.py")):
+        text = path.read_text()
+        lines = text.splitlines()
+        for fn in ast.walk(ast.parse(text)):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if isinstance(node, ast.Import):
+                    own = any(a.name.split(".")[0] in ("bake", "hydra_plugins") for a in node.names)
+                elif isinstance(node, ast.ImportFrom):
+                    top = (node.module or "").split(".")[0]
+                    own = node.level > 0 or top in ("bake", "hydra_plugins")
+                else:
+                    continue
+                source = "\n".join(lines[node.lineno - 1 : node.end_lineno])
+                found.append((str(path.relative_to(ROOT)), node.lineno, source, own))
+    return found
+
+
+def test_an_import_inside_a_function_says_which_library_it_defers():
+    """Imports sit at the top, where a reader sees what a module depends on; one inside a
+    function defers a heavy library the module does not load otherwise, and says which
+    (``# lazy: torch``). At most 20 of them import bake's own modules."""
+    inner = _inner_imports()
+    unmarked = [f"{f}:{line}" for f, line, source, _ in inner if "# lazy: " not in source]
+    assert unmarked == []
+    assert len({(f, line) for f, line, *_ in inner}) > 50  # the walk sees inner imports
+    own = [f"{f}:{line}" for f, line, _, mine in inner if mine]
+    assert 0 < len(own) <= 20, own

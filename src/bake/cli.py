@@ -14,8 +14,13 @@ from __future__ import annotations
 import signal
 import sys
 import threading
+from enum import Enum
+from typing import get_type_hints
 
 import hydra
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
 
 import hydra_plugins.bake_sweeps as plugins
 from bake import config as _config  # noqa: F401  (registers the schemas and resolvers)
@@ -39,8 +44,6 @@ def _hydra_main(cfg) -> float:
 def _choices(args: list[str]) -> str | None:
     """The first ``key=value`` override of a setting with fixed choices (an enum of the schema)
     whose value is none of them, as one line naming the choices; None when all are valid."""
-    from enum import Enum
-    from typing import get_type_hints
 
     groups = get_type_hints(BakeConf)
     for arg in args:
@@ -63,11 +66,6 @@ def _types(args: list[str]) -> str | None:
     """The first ``group.key=value`` override whose value the schema's type refuses (``1.5``
     for an int, ``a`` in a list of floats), as one line: Hydra's own error is six lines and exit
     1 for what is a configuration error."""
-    from typing import get_type_hints
-
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
-    from omegaconf.errors import OmegaConfBaseException
 
     groups = get_type_hints(BakeConf)
     parser = OverridesParser.create()

@@ -11,6 +11,8 @@ from __future__ import annotations
 from importlib.resources import files
 from pathlib import Path
 
+import yaml
+
 CONFIG_NAME = "config.yaml"
 
 
@@ -39,7 +41,6 @@ def recipe_values(name: str | None, given: list[str]) -> dict:
     less those the command line's overrides ``given`` set (they win over a recipe)."""
     if not name:
         return {}
-    import yaml
 
     path = conf_dir() / "model_recipe" / f"{name}.yaml"
     if not path.is_file():

@@ -15,6 +15,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.hydra_config import HydraConfig
 from omegaconf import MISSING, OmegaConf
 
 if TYPE_CHECKING:
@@ -285,7 +286,6 @@ class BakeConf:
 
 def resolved(cfg: DictConfig) -> dict:
     """The composed config as plain, resolved containers (enums as their names)."""
-    from omegaconf import OmegaConf
 
     return cast(dict, OmegaConf.to_container(cfg, resolve=True, enum_to_str=True))
 
@@ -320,7 +320,6 @@ def _launch_dir() -> str:
     set; there ``${hydra:runtime.cwd}`` fails, and the process's directory is the same one, since
     bake never changes directory.
     """
-    from hydra.core.hydra_config import HydraConfig
 
     if HydraConfig.initialized():
         return HydraConfig.get().runtime.cwd

@@ -30,7 +30,6 @@ def stdlib_dir() -> Path:
 
 
 def _stdlib_docs() -> list[Document]:
-    import os
 
     root = stdlib_dir()
     paths = []

@@ -278,8 +278,8 @@ def load_corpus(ccfg, tokenizer, tokenizer_key: str, seed: int, cache_dir: Path)
 
 def _build(ccfg, docs, tokenizer, seed: int, key: str, path: Path, skipped, rejected) -> Corpus:
     """Split, chunk and check the corpus, and write it to the cache at ``path``."""
-    import torch
-    from safetensors.torch import save_file
+    import torch  # lazy: torch
+    from safetensors.torch import save_file  # lazy: safetensors
 
     held, calib, test, seen = _split(ccfg, docs, tokenizer, seed, skipped)
     _check(ccfg, held, calib, test, skipped, seen, rejected)
@@ -310,7 +310,7 @@ def _build(ccfg, docs, tokenizer, seed: int, key: str, path: Path, skipped, reje
 
 
 def _read_cached(path: Path) -> Corpus:
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     with safe_open(str(path), framework="pt") as fh:
         info = json.loads(fh.metadata()["info"])

@@ -33,7 +33,7 @@ PER_TOKEN = ("tokenizer.ggml.tokens", "tokenizer.ggml.scores", "tokenizer.ggml.t
 def copy_tokenizer(writer, path: Path, model_dir: Path) -> None:
     """Every ``tokenizer.*`` field of the GGUF file at ``path``, restricted to the tokens of
     ``model_dir``'s tokenizer.json in its order when the export's vocabulary was trimmed."""
-    import gguf
+    import gguf  # lazy: gguf
 
     reader = gguf.GGUFReader(str(path))
     fields = {k: f for k, f in reader.fields.items() if k.startswith("tokenizer.")}
@@ -107,7 +107,7 @@ def pre_by_structure(model_dir: Path) -> str | None:
 
 def adds_bos(model_dir: Path) -> bool:
     """Whether the Hugging Face tokenizer puts a BOS token in front of a text."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     tok = AutoTokenizer.from_pretrained(model_dir)
     ids = tok("a").input_ids
@@ -116,7 +116,7 @@ def adds_bos(model_dir: Path) -> bool:
 
 def converter(base, widths: list[int] | None, source_gguf: Path | None, source_tok: Path | None):
     """``base`` (llama.cpp's model class for the export) with bake's additions."""
-    from conversion.deci import DeciModel
+    from conversion.deci import DeciModel  # lazy: conversion
 
     class Bake(base):
         model_arch = base.model_arch
@@ -145,7 +145,7 @@ def converter(base, widths: list[int] | None, source_gguf: Path | None, source_t
                 return super().get_vocab_base_pre(tokenizer)
             except NotImplementedError:
                 if source_tok is not None:  # a trimmed vocabulary: its source's, if known
-                    from transformers import AutoTokenizer
+                    from transformers import AutoTokenizer  # lazy: transformers
 
                     try:
                         return super().get_vocab_base_pre(AutoTokenizer.from_pretrained(source_tok))
@@ -170,9 +170,14 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--name", default=None, help="general.name")
     args = p.parse_args(argv)
 
-    import gguf
-    import torch
-    from conversion import ModelBase, ModelType, get_model_architecture, get_model_class
+    import gguf  # lazy: gguf
+    import torch  # lazy: torch
+    from conversion import (  # lazy: conversion
+        ModelBase,
+        ModelType,
+        get_model_architecture,
+        get_model_class,
+    )
 
     ftype = {
         "f32": gguf.LlamaFileType.ALL_F32,

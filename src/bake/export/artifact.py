@@ -39,7 +39,7 @@ def load_artifact(
 ) -> PreTrainedModel | LoopedCausalLM:
     """The export in ``model_dir``, loaded the way its model card says, in eval mode."""
     if fmt == "stock":
-        from transformers import AutoModelForCausalLM
+        from transformers import AutoModelForCausalLM  # lazy: transformers
 
         lm = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
         return lm.to(device).eval()  # type: ignore[arg-type]  # functools.wraps hides the self
@@ -99,7 +99,7 @@ def measure(
     bits per byte (:mod:`bake.models.bpb`) with its own tokenizer. ``chunks`` are the splits in the
     source's token ids; a trimmed vocabulary scores the splits' TEXT instead (``ppl_*`` is then
     per token of its own tokenization)."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     model = load_artifact(model_dir, fmt, device)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)

@@ -5,7 +5,10 @@ report.json never disagree.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from bake.config.schema import task_label
 from bake.models.families import find
@@ -96,7 +99,6 @@ def _perplexities(ppl: dict, loaded_with: str) -> str:
 
 
 def _settings(config: dict) -> str:
-    from omegaconf import OmegaConf
 
     # stated above, or not the recipe's
     skip = ("model", "corpus", "paths", "tracking", "trainer", "resume", "task")
@@ -190,7 +192,6 @@ def render(report: dict, family_class: str) -> str:
 
 def write_card(model_dir: Path, report: dict) -> None:
     """Write ``model_dir/README.md`` for the run's ``report``."""
-    import json
 
     cfg = json.loads((model_dir / "config.json").read_text())
     family_class = next(iter(cfg.get("architectures") or []), "transformers model")

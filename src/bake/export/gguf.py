@@ -25,11 +25,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
+import struct
 import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
+
+from omegaconf import OmegaConf
 
 from bake.errors import BakeError
 from bake.export import llamacpp
@@ -160,7 +164,7 @@ def artifact_problems(model_dir: Path, kind: str) -> list[str]:
 
 def _visits_shared(model_dir: Path) -> bool:
     """Every visit of a looped export keeps all of its layer's stored neurons."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors
 
     return all(bool(g.all()) for g in load_file(model_dir / VISIT_MASKS).values())
 
@@ -225,7 +229,6 @@ SCRATCH = ".gguf-"  # the conversion's scratch folder beside its output: .gguf-<
 
 def remove_stale_scratch(folder: Path) -> None:
     """Scratch folders of conversions whose process is gone (killed: nothing removed them)."""
-    import shutil
 
     for scratch in folder.glob(f"{SCRATCH}*"):
         pid = scratch.name[len(SCRATCH) :].split("-", 1)[0]
@@ -246,7 +249,6 @@ def _alive(pid: int) -> bool:
 def check_weights(model_dir: Path) -> None:
     """The export's weight file is whole: its header parses and its tensors' bytes are all
     there (a truncated copy would fail inside the converter with a fragment of a traceback)."""
-    import struct
 
     path = model_dir / "model.safetensors"
     try:
@@ -304,7 +306,6 @@ def _source_refusal(run_cfg) -> str | None:
 
 def main(argv: list[str] | None = None) -> int:
     """``python -m bake.gguf <run dir> --type q8_0``: a finished run's model as a GGUF file."""
-    from omegaconf import OmegaConf
 
     p = argparse.ArgumentParser(prog="python -m bake.gguf", description=__doc__.split("\n")[0])
     p.add_argument("run", type=Path, help="a finished run directory (it holds model/)")

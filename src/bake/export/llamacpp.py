@@ -16,6 +16,7 @@ tokens and logits, which the tests compare with transformers), ``llama-perplexit
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import importlib.util
 import json
@@ -24,6 +25,8 @@ import shutil
 import subprocess
 import sys
 import time
+from importlib.metadata import PackageNotFoundError
+from importlib.metadata import version as package_version
 from pathlib import Path
 
 from bake.errors import BakeError
@@ -69,8 +72,6 @@ def source_root() -> Path:
 
 
 def version() -> str:
-    from importlib.metadata import PackageNotFoundError
-    from importlib.metadata import version as package_version
 
     try:
         return package_version(PACKAGE)
@@ -108,7 +109,6 @@ def need(name: str) -> Path:
 
 def build(jobs: int | None = None, echo=print) -> Path:
     """Build the tools unless they are built; returns their folder."""
-    import fcntl
 
     target = home()
     if (target / COMPLETE).is_file():

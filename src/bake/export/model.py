@@ -154,7 +154,7 @@ def write_model(
     """Write the smaller model into ``directory`` (a staging directory); returns its format:
     ``stock`` (stock transformers loads it), ``per_layer`` or ``looped`` (bake.load_baked).
     ``trim``: a task-trimmed vocabulary (:mod:`bake.models.vocab`), its tokenizer written too."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: safetensors
 
     lm = stack.lm
     fmt = export_format(keep, stack.loops)
@@ -178,7 +178,7 @@ def write_model(
 
 
 def write_masks(path: Path, keep: Keep, logits: Tensor) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: safetensors
 
     save_file(
         {
@@ -192,7 +192,7 @@ def write_masks(path: Path, keep: Keep, logits: Tensor) -> None:
 
 def count_parameters(directory: Path) -> int:
     """Parameters stored in an export (tied head counted once, as transformers counts them)."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     total = 0
     with safe_open(str(directory / "model.safetensors"), framework="pt") as fh:

@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from omegaconf import OmegaConf
 
 from bake.errors import BakeError, resume_arg
 from bake.export import gguf
@@ -116,7 +117,6 @@ def run(
 def _write(
     ctx: RunContext, out: Outcome, report_of: Callable[[Exported], dict], judge: Judge | None
 ) -> dict:
-    from omegaconf import OmegaConf
 
     t0, s = time.perf_counter(), ctx.settings
     keep, expected = shipped(ctx, out)
@@ -205,7 +205,7 @@ def _gguf(ctx: RunContext, stage: Path) -> dict | None:
 def _trimmed_reference(stack, model_dir: Path, texts, keep: Keep, out: Outcome, trim: Trim):
     """bake's perplexity of the held-out TEXT, tokenised by the trimmed tokenizer just written,
     with the softmax over the kept tokens: what the trimmed artifact must reproduce."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = scored_texts(tokenizer, texts, stack.lm.config)

@@ -14,6 +14,8 @@ import logging
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from bake.corpus.documents import largest
 from bake.errors import BakeError, ConfigError
 from bake.memory.plan import (
@@ -72,8 +74,6 @@ def _available(settings: Settings, device: str) -> tuple[int | None, str | None]
     if limit is not None:
         return int(limit * GIB), f"trainer.memory_limit_gib={settings.trainer.memory_limit_gib}"
     if device == "cuda":
-        import torch
-
         free, _ = torch.cuda.mem_get_info()
         return int(free), None
     return _ram_available(), None
@@ -189,11 +189,9 @@ def measured_base() -> int:
     """The process before its model, on this machine: the resident memory with the libraries
     a bake imports, plus what the corpus and the rest of the set-up add (plan.BASE's share
     beyond the imports)."""
-    import hydra  # noqa: F401
-    import lightning  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
-    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401
+    import lightning  # noqa: F401  # lazy: lightning
+    import transformers  # noqa: F401  # lazy: transformers
+    from transformers import AutoModelForCausalLM, AutoTokenizer  # noqa: F401  # lazy: transformers
 
     now = rss_mb()
     return BASE if now is None else int(now * MIB) + BASE - IMPORTS

@@ -67,7 +67,7 @@ class LoopedCausalLM(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> CausalLMOutput:
         """``.logits`` [batch, seq, vocab] of ``input_ids`` [batch, seq]."""
-        from transformers.modeling_outputs import CausalLMOutput
+        from transformers.modeling_outputs import CausalLMOutput  # lazy: transformers
 
         hn = self.stack().hidden(input_ids, self.gates())
         return CausalLMOutput(logits=self.lm.lm_head(hn))
@@ -111,8 +111,8 @@ class LoopedCausalLM(nn.Module):
 
 
 def _load_weights(lm: PreTrainedModel, path: Path, tied: bool) -> None:
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
+    from safetensors import SafetensorError  # lazy: safetensors
+    from safetensors.torch import load_file  # lazy: safetensors
 
     weights = path / "model.safetensors"
     try:
@@ -189,7 +189,7 @@ def load_baked(
     lm.eval()
     if not looped:
         return lm.to(device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors
 
     loops = int(meta["loops"])
     try:

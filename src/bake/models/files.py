@@ -8,7 +8,14 @@ import hashlib
 import importlib
 import importlib.util
 import json
+import logging
+import mmap
+import os
+import shutil
+import socket
+import struct
 from pathlib import Path
+from urllib.parse import urlparse
 
 from bake.config import layout
 from bake.errors import BakeError
@@ -133,7 +140,6 @@ def _from_pieces(mcfg, cache: str | Path | None) -> Path:
     target = Path(cache).expanduser() / "gguf" / mcfg.gguf_file
 
     def assemble(tmp: Path) -> None:
-        import shutil
 
         with open(tmp, "wb") as out:
             for part in parts:
@@ -178,7 +184,7 @@ def _check_gguf(path: Path, parts: list[Path]) -> None:
         magic = fh.read(4)
     if magic != b"GGUF":
         raise ValueError(f"its first piece does not start a GGUF file ({sizes})")
-    from gguf import GGUFReader
+    from gguf import GGUFReader  # lazy: gguf
 
     try:
         reader = GGUFReader(path)
@@ -199,7 +205,6 @@ def _check_gguf(path: Path, parts: list[Path]) -> None:
 def _remove_stale(target: Path) -> None:
     """Temporary files of earlier assemblies of ``target`` whose process is gone (killed while it
     wrote: hundreds of MB that nothing else removes)."""
-    import os
 
     for tmp in target.parent.glob(f".{target.name}.*.tmp"):
         pid = tmp.name[len(target.name) + 2 : -len(".tmp")]
@@ -216,8 +221,6 @@ def _remove_stale(target: Path) -> None:
 def _assemble_once(target: Path, expected: str, assemble, against: str, setting: str, fix: str):
     """``target`` assembled by ``assemble(tmp)`` and moved in place, or kept when its sha256 is
     ``expected``; a mismatch is reported and assembled again."""
-    import logging
-    import os
 
     if target.is_file():
         state = _file_state(target)
@@ -269,7 +272,7 @@ def hf_dir(mcfg, setting: str = "model.name_or_path") -> Path:
         return local
     if not _looks_like_hub_id(name):
         raise BakeError(f"{setting}={name}: no such directory; pass a local model directory")
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import snapshot_download  # lazy: huggingface_hub
 
     patterns = ["*.json", "*.safetensors", "*.model", "*.txt", "*.tiktoken"]
     try:
@@ -291,10 +294,8 @@ def hf_dir(mcfg, setting: str = "model.name_or_path") -> Path:
 
 def _probe_hub(timeout: float = 3.0) -> None:
     """Fail at once when the hub's host does not answer (huggingface_hub retries for ~25 s)."""
-    import socket
-    from urllib.parse import urlparse
 
-    from huggingface_hub import constants
+    from huggingface_hub import constants  # lazy: huggingface_hub
 
     if constants.HF_HUB_OFFLINE:
         raise ConnectionError("HF_HUB_OFFLINE is set")
@@ -377,7 +378,6 @@ def gguf_header(path: Path, tensors: bool = False) -> dict:
     first) under ``__tensors__``, from the records that precede the data (the memory plan
     counts parameters exactly this way).
     """
-    import struct
 
     try:
         return _read_header(path, tensors)
@@ -389,8 +389,6 @@ def gguf_header(path: Path, tensors: bool = False) -> dict:
 
 
 def _read_header(path: Path, tensors: bool = False) -> dict:
-    import mmap
-    import struct
 
     with open(path, "rb") as fh, mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as buf:
         if buf[:4] != b"GGUF":

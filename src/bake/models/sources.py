@@ -259,7 +259,7 @@ class GgufSource(Source):
 
     def _cached(self) -> tuple[Path, bool]:
         """The converted copy under the cache, converting it when needed."""
-        import transformers
+        import transformers  # lazy: transformers
 
         src, mcfg = self.file(), self.mcfg
         assert self.cache is not None  # paths.cache: always set by the config
@@ -273,8 +273,8 @@ class GgufSource(Source):
 
     def _convert(self, src: Path, out: Path) -> None:
         """The GGUF file, dequantized by transformers, saved as fp32 safetensors at ``out``."""
-        import torch
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        import torch  # lazy: torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer  # lazy: transformers
 
         mcfg = self.mcfg
         log.info("model: converting %s to fp32 safetensors (once; cached in %s)", src.name, out)
@@ -335,7 +335,7 @@ def check_gated_mlp(
 ) -> None:
     """Refuse a model whose layers are not attention (with ``norms``) + a gated gate/up/down
     MLP of one width."""
-    import torch.nn as nn
+    import torch.nn as nn  # lazy: torch
 
     core = getattr(lm, "model", None)
     layers = getattr(core, "layers", None)
@@ -367,7 +367,7 @@ def check_gated_mlp(
 
 def finish(lm: PreTrainedModel) -> PreTrainedModel:
     """fp32, eval mode, frozen, every tensor in anonymous memory, SDPA attention."""
-    import torch
+    import torch  # lazy: torch
 
     lm = lm.float().eval()
     lm.requires_grad_(False)
@@ -382,8 +382,8 @@ def finish(lm: PreTrainedModel) -> PreTrainedModel:
 def load_dir(directory: Path, where: str) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
     """A Hugging Face model directory: structure and family checked on the meta device (before
     any weight is read), then the weights."""
-    import torch
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
+    import torch  # lazy: torch
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer  # lazy: transformers
 
     raw = read_config_json(directory)
     if raw.get("auto_map"):
@@ -439,7 +439,7 @@ def check_weights(files: list[Path], expected: set[str], tied: bool, where: str)
     one with random values), and the head is what config.json says: the embedding's when tied
     (a different ``lm_head.weight`` in the files is refused), its own tensor when not. Read
     from the files' headers (and, for a tied head stored anyway, the two tensors)."""
-    from safetensors import SafetensorError, safe_open
+    from safetensors import SafetensorError, safe_open  # lazy: safetensors
 
     where_is: dict[str, Path] = {}
     for path in files:
@@ -465,7 +465,7 @@ def check_weights(files: list[Path], expected: set[str], tied: bool, where: str)
             f"would fill them with random values: copy the checkpoint's weights again"
         )
     if tied and HEAD in where_is and EMBEDDING in where_is:
-        import torch
+        import torch  # lazy: torch
 
         with safe_open(str(where_is[HEAD]), framework="pt") as fh:
             head = fh.get_tensor(HEAD)

@@ -38,8 +38,8 @@ def bytes_to_unicode() -> dict[int, str]:
 @lru_cache(maxsize=1)
 def byte_tokenizer() -> PreTrainedTokenizerFast:
     """A byte-level tokenizer: token id = byte value, plus one EOS token (id 256)."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # lazy: tokenizers
+    from transformers import PreTrainedTokenizerFast  # lazy: transformers
 
     vocab = {ch: b for b, ch in bytes_to_unicode().items()}
     tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
@@ -53,7 +53,7 @@ def byte_tokenizer() -> PreTrainedTokenizerFast:
 
 def tiny_config(tiny: TinyConf, loops: int = 1, loop_norm: bool = True) -> LlamaConfig:
     """A LlamaConfig for the tiny model (``tiny`` is the ``model.tiny`` config section)."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy: transformers
 
     # Keywords LlamaConfig does not declare (the loop settings) are kept as attributes.
     return LlamaConfig(  # type: ignore[call-arg]
@@ -80,8 +80,8 @@ def build_tiny(
     tiny: TinyConf, loops: int = 1, loop_norm: bool = True
 ) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast]:
     """Build the tiny model (fp32, eval mode) and its tokenizer."""
-    import torch
-    from transformers import LlamaForCausalLM
+    import torch  # lazy: torch
+    from transformers import LlamaForCausalLM  # lazy: transformers
 
     config = tiny_config(tiny, loops, loop_norm)
     with torch.random.fork_rng(devices=[]):

@@ -7,12 +7,15 @@ from __future__ import annotations
 import logging
 import os
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
+from hydra.utils import instantiate
+from omegaconf import OmegaConf
 from torch import Tensor
 from torch.utils.data import DataLoader, Dataset
 
@@ -209,7 +212,7 @@ def _streaming_io():
     ``getvalue``): for Phase B's copies and Adam state that is hundreds of MiB on top of the
     phase. This one is as atomic and costs no memory.
     """
-    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO  # lazy: lightning
 
     class StreamingCheckpointIO(TorchCheckpointIO):
         def save_checkpoint(self, checkpoint, path, storage_options=None) -> None:
@@ -237,10 +240,8 @@ def make_trainer(
     every evaluation, for resume (none with ``checkpoints=False``: a trial nothing resumes or
     restores). No sanity-check evaluation, no Lightning logger: bake logs to MLflow itself,
     against the global step."""
-    import lightning as L
-    from hydra.utils import instantiate
-    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar
-    from omegaconf import OmegaConf
+    import lightning as L  # lazy: lightning
+    from lightning.pytorch.callbacks import ModelCheckpoint, TQDMProgressBar  # lazy: lightning
 
     quiet_lightning()
     evaluates = steps >= eval_every
@@ -300,7 +301,7 @@ def _cluster() -> list:
     protocol requeues the job, and the job resumes its run directory (bake.sweeps)."""
     if os.environ.get("SUBMITIT_EXECUTOR") != "slurm":
         return []
-    from lightning.fabric.plugins.environments import SLURMEnvironment
+    from lightning.fabric.plugins.environments import SLURMEnvironment  # lazy: lightning
 
     return [SLURMEnvironment(auto_requeue=False)] if SLURMEnvironment.detect() else []
 
@@ -327,7 +328,6 @@ def fit(trainer: Trainer, module: LightningModule, ckpt: Path | None) -> None:
     """``trainer.fit`` that re-raises Ctrl-C as KeyboardInterrupt (Lightning turns it into
     SystemExit(1) after a graceful shutdown) and lets every other error through, a SystemExit
     of another's as it is (submitit's requeue exits with the code its controller reads)."""
-    import warnings
 
     # The chunk of a step is derived from the step, so a resume mid-epoch is exact: Lightning's
     # warning that the loader is "not resumable" does not apply.

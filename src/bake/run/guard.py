@@ -22,6 +22,7 @@ import sys
 from pathlib import Path
 
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 from bake.config.schema import resolved
 from bake.errors import BakeError, resume_arg
@@ -85,7 +86,6 @@ def _check_writable(path: Path) -> None:
 
 def check_resume(cfg, run_dir: Path) -> None:
     """``resume`` continues its own directory, with settings a resume may carry."""
-    from omegaconf import OmegaConf
 
     resume = Path(str(cfg.resume)).expanduser()
     cfg = OmegaConf.masked_copy(cfg, [k for k in cfg.keys() if k != "hydra"])

@@ -8,11 +8,16 @@ HYDRA_FULL_ERROR=1 for the rest); 2 an invalid configuration; 130 interrupted.
 from __future__ import annotations
 
 import errno
+import json
 import logging
 import math
+import shutil
 import sys
 import traceback
 from pathlib import Path
+
+from hydra.core.hydra_config import HydraConfig
+from hydra.types import RunMode
 
 from bake.config.layout import recipe_values
 from bake.config.schema import resolved
@@ -34,8 +39,6 @@ _DISK_ERRORS = {errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPE
 
 
 def _hydra_context():
-    from hydra.core.hydra_config import HydraConfig
-    from hydra.types import RunMode
 
     hc = HydraConfig.get()
     return hc, hc.mode == RunMode.MULTIRUN
@@ -43,7 +46,6 @@ def _hydra_context():
 
 def _discard_unused(run_dir: Path) -> None:
     """Remove the directory Hydra made for a run that never started (only Hydra's files)."""
-    import shutil
 
     if not run_dir.is_dir() or (run_dir / "bake_run.json").exists():
         return
@@ -76,7 +78,6 @@ def _finished(run_dir: Path, cfg=None) -> float | None:
     else None. With ``cfg`` (a sweep's job), the value is reused only for the settings it was
     made with: BakeError naming the keys that differ (a search whose study was lost would ask
     other settings of the same job folder)."""
-    import json
 
     try:
         record = json.loads((run_dir / RECORD).read_text())

@@ -16,6 +16,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import lightning as L
+
 from bake.corpus.splits import (
     bos_prefix,
     calibration_texts,
@@ -205,7 +207,6 @@ def _same_corpus(ctx: RunContext) -> None:
 
 
 def _stages(ctx: RunContext) -> float:
-    import lightning as L
 
     s, t_start = ctx.settings, time.perf_counter()
     L.seed_everything(s.seed, workers=True, verbose=False)

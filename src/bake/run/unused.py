@@ -10,8 +10,10 @@ not the user's doing and are not reported.
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from omegaconf import OmegaConf
 
 from bake.phases import phase_a
 from bake.phases.settings import trains
@@ -171,7 +173,6 @@ def _phase_a(cfg, meta: ModelMeta) -> dict[str, str]:
 
 def unused(cfg, meta: ModelMeta) -> dict[str, Unused]:
     """Every key the composed ``cfg`` (of a model of shape ``meta``) does not read."""
-    from omegaconf import OmegaConf
 
     found = {key: (why, PHASE_A[key]) for key, why in _phase_a(cfg, meta).items()}
     for key, (rule, does) in RULES.items():
@@ -201,7 +202,6 @@ def given(overrides: list[str]) -> list[str]:
 def ignored(cfg, overrides: list[str], meta: ModelMeta) -> list[Unused]:
     """The keys the command line sets that the composed ``cfg`` does not read, each with the
     value as the command line wrote it."""
-    from dataclasses import replace
 
     found = unused(cfg, meta)
     typed = {o.split("=", 1)[0].lstrip("+~"): o.split("=", 1)[1] for o in overrides if "=" in o}

@@ -7,8 +7,15 @@ read only its metadata (config.json or the GGUF header).
 
 from __future__ import annotations
 
+import difflib
 import math
+import re
+from dataclasses import MISSING, fields, is_dataclass
 from pathlib import Path
+
+import torch
+from hydra.utils import get_object
+from omegaconf import OmegaConf
 
 from bake import config as c
 from bake.config import BakeConf, CorpusSource
@@ -158,9 +165,6 @@ def _sources(cfg, problems: list[str]) -> None:
 def _task(cfg, problems: list[str]) -> None:
     """The task section: its ranges, and a unit_tests file that exists, whose records are
     whole and whose canonical solutions pass (run in the sandbox)."""
-    import re
-
-    from omegaconf import OmegaConf
 
     t = cfg.get("task")
     if t is None or str(t.source) == "none":
@@ -308,8 +312,6 @@ STRATEGIES = ("auto", "ddp")  # bake's step semantics are defined for these (see
 def _callbacks(cfg, problems: list[str]) -> None:
     """Every ``trainer.callbacks`` entry names a class that can be imported (found now, not
     after the model is loaded and the backbone measured)."""
-    from hydra.utils import get_object
-    from omegaconf import OmegaConf
 
     for i, spec in enumerate(cfg.trainer.callbacks):
         target = spec.get("_target_") if OmegaConf.is_dict(spec) or isinstance(spec, dict) else None
@@ -336,8 +338,6 @@ def _trainer(cfg, multirun: bool, problems: list[str]) -> None:
             f"trainer.accelerator={t.accelerator}: not one of {', '.join(ACCELERATORS)}"
         )
     elif str(t.accelerator) in ("cuda", "gpu"):
-        import torch
-
         if not torch.cuda.is_available():
             problems.append(
                 f"trainer.accelerator={t.accelerator}: no CUDA device is available here; use "
@@ -357,10 +357,6 @@ def _trainer(cfg, multirun: bool, problems: list[str]) -> None:
 def _unknown_keys(cfg, problems: list[str]) -> None:
     """Keys the schemas do not have (``+phase_a.target_sparsty=0.3`` gets past Hydra's
     compose-time check), with the closest known key."""
-    import difflib
-    from dataclasses import fields, is_dataclass
-
-    from omegaconf import OmegaConf
 
     def walk(node, schema, prefix: str) -> None:
         if not is_dataclass(schema) or not OmegaConf.is_dict(node):
@@ -384,7 +380,6 @@ def _unknown_keys(cfg, problems: list[str]) -> None:
 
 def _schema_of(field_):
     """The dataclass a schema field holds (None for a leaf)."""
-    from dataclasses import MISSING, is_dataclass
 
     if field_.default_factory is not MISSING:
         value = field_.default_factory()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -121,7 +122,6 @@ def code_digest(modules: tuple[str, ...]) -> str:
     """A hash of the source files of ``modules`` (dotted names): part of the key of every cache
     whose content they compute, so a change to the code can never be answered from a cache
     written by the old code."""
-    import importlib.util
 
     h = hashlib.sha256()
     for name in modules:

@@ -3,8 +3,10 @@ tensors written to a safetensors file one at a time."""
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import struct
 import tempfile
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -86,10 +88,8 @@ Producer = Callable[[], "Tensor"]  # makes one tensor when it is written
 def save_streaming(path: Path, tensors: list[tuple[str, tuple, Producer]], metadata: dict) -> None:
     """Write fp32 tensors in the safetensors format one at a time (the library's writer would
     first serialise all of them into memory)."""
-    import json
-    import struct
 
-    import torch
+    import torch  # lazy: torch
 
     header, offset = {}, 0
     for name, shape, _ in tensors:

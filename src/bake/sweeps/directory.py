@@ -15,7 +15,9 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.experimental.callback import Callback
+from omegaconf import OmegaConf
 
 from bake.errors import BakeError, resume_arg
 from bake.run.guard import acquire, check_new_dir, holder, refuse, release
@@ -55,7 +57,6 @@ class Sweep:
 
 def read(sweep_dir: Path) -> Sweep | None:
     """The sweep recorded in ``sweep_dir``; None when it holds no bake sweep."""
-    from omegaconf import OmegaConf
 
     path = Path(sweep_dir) / SWEEP_FILE
     if not path.is_file():
@@ -85,7 +86,6 @@ def _key(override: str) -> str:
 def _fixed(overrides: list[str]) -> list[str]:
     """The overrides that decide the jobs and what they compute: those of settings a resume may
     change (``trainer.progress_bar``, ``tracking.*``, ...) left out unless they are swept."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     parsed = OverridesParser.create().parse_overrides(overrides)
     return [
@@ -197,7 +197,6 @@ def relaunch(argv: list[str]) -> list[str] | None:
 
 
 def _value(override: str) -> str:
-    from hydra.core.override_parser.overrides_parser import OverridesParser
 
     try:
         parsed = OverridesParser.create().parse_override(override)

@@ -18,9 +18,16 @@ from __future__ import annotations
 import logging
 import math
 import os
+import signal
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+import psutil
+from hydra.core.singleton import Singleton
+from hydra.core.utils import JobReturn, JobStatus, filter_overrides
+from omegaconf import OmegaConf
 
 from bake.memory.budget import free_ram, planned
 from bake.memory.plan import GIB, gib
@@ -40,7 +47,6 @@ SHARE = 1.15  # the room each of several jobs on one machine gets, over its plan
 
 def job_config(launcher, overrides: Sequence[str]):
     """A job's composed config without Hydra's node, as the job itself will see it."""
-    from omegaconf import OmegaConf
 
     cfg = launcher.hydra_context.config_loader.load_sweep_config(launcher.config, list(overrides))
     return OmegaConf.masked_copy(cfg, [k for k in cfg if k != "hydra"])
@@ -166,11 +172,8 @@ def log_memory(mem_gb: int | None, plans: Sequence[Plan | None]) -> None:
 def launch_local(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     """``hydra/launcher=bake_local``: submitit's local executor, at most as many jobs at once as
     :func:`local_slots` allows."""
-    from pathlib import Path
 
-    import submitit
-    from hydra.core.singleton import Singleton
-    from hydra.core.utils import filter_overrides
+    import submitit  # lazy: submitit
 
     params = dict(launcher.params)
     parallel = params.pop("parallel", None)
@@ -220,7 +223,6 @@ def run_windowed(
     """Submit the jobs, at most ``at_once`` running; each job's process gets ``threads``
     threads. Returns their results in job order; a job that ended without a result (killed by
     the kernel, out of memory) is a failed job of the sweep, not the end of it."""
-    from hydra.core.utils import JobReturn, JobStatus
 
     pending = list(enumerate(job_params))
     running: list[tuple[int, tuple, Any]] = []
@@ -268,9 +270,6 @@ def stop_local_jobs(grace_s: float = 120.0) -> int:
     checkpoints), waiting for them and what they started, killing any still running after
     ``grace_s``; returns how many jobs were running. On SLURM the jobs belong to the cluster:
     ``scancel`` stops them."""
-    import signal
-
-    import psutil
 
     me = psutil.Process()
     try:

@@ -29,6 +29,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
+from hydra.core.plugins import Plugins
+from hydra.core.utils import JobStatus
+from omegaconf import OmegaConf
+
 from bake.errors import BakeError
 from bake.storage.record import RECORD
 from bake.sweeps.checks import sweeper_problem
@@ -63,13 +69,11 @@ class SearchConf:
 def space(lines: Sequence[str]) -> tuple[list[str], dict[str, BaseDistribution]]:
     """(the fixed overrides, the searched keys and their Optuna distributions) of a search's
     overrides. Refuses a swept key whose syntax has no distribution (one line each)."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from hydra.core.override_parser.types import ChoiceSweep, IntervalSweep, RangeSweep
     from optuna.distributions import (
         CategoricalDistribution,
         FloatDistribution,
         IntDistribution,
-    )
+    )  # lazy: optuna
 
     fixed: dict[str, str] = {}
     dists: dict[str, BaseDistribution] = {}
@@ -113,8 +117,8 @@ def study_storage(storage: str | None, sweep_dir: Path):
     """The study's storage: a journal file in the sweep directory unless a URL is given."""
     if storage:
         return storage
-    from optuna.storages import JournalStorage
-    from optuna.storages.journal import JournalFileBackend
+    from optuna.storages import JournalStorage  # lazy: optuna
+    from optuna.storages.journal import JournalFileBackend  # lazy: optuna
 
     return JournalStorage(JournalFileBackend(str(sweep_dir / STUDY)))
 
@@ -124,8 +128,8 @@ def _check_study(c, sweep_dir: Path) -> None:
     with no study of ``hydra.sweeper.study_name`` to hold their trials (its journal lost,
     renamed, or another name given) would have their results credited to other settings; a
     journal that cannot be read is named, and left as it is."""
-    import optuna
-    from optuna.exceptions import OptunaError
+    import optuna  # lazy: optuna
+    from optuna.exceptions import OptunaError  # lazy: optuna
 
     jobs = (
         sorted(
@@ -163,7 +167,7 @@ def _check_study(c, sweep_dir: Path) -> None:
 
 
 def make_sampler(name: str, seed: int):
-    from optuna.samplers import RandomSampler, TPESampler
+    from optuna.samplers import RandomSampler, TPESampler  # lazy: optuna
 
     if name == "tpe":
         return TPESampler(seed=seed)
@@ -183,7 +187,6 @@ class Search:
         self.hydra_context: Any = None
 
     def setup(self, *, hydra_context, task_function, config) -> None:
-        from hydra.core.plugins import Plugins
 
         self.config, self.hydra_context = config, hydra_context
         self.launcher = Plugins.instance().instantiate_launcher(
@@ -191,8 +194,7 @@ class Search:
         )
 
     def sweep(self, arguments: list[str]) -> list:
-        import optuna
-        from omegaconf import OmegaConf
+        import optuna  # lazy: optuna
 
         c = self.conf
         wrong = sweeper_problem(c)
@@ -233,7 +235,7 @@ class Search:
         """Trials to run, at most ``n_jobs`` at once, in launches of consecutive numbers (a
         trial's number is its job's): first those an earlier launch left running (they resume
         their bakes), then new ones until ``n_trials`` have run."""
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: optuna
 
         trials = study.get_trials(deepcopy=False)
         unfinished = sorted(
@@ -269,8 +271,7 @@ class Search:
         return list(trial.user_attrs["overrides"])
 
     def _tell(self, study: Study, trial, ret) -> None:
-        from hydra.core.utils import JobStatus
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: optuna
 
         value = ret.return_value if ret.status == JobStatus.COMPLETED else None
         value = float(value) if isinstance(value, int | float) else math.nan
@@ -298,7 +299,7 @@ class Search:
         )
 
     def _say_best(self, study: Study, sweep_dir: Path) -> None:
-        from optuna.trial import TrialState
+        from optuna.trial import TrialState  # lazy: optuna
 
         complete = [t for t in study.get_trials(deepcopy=False) if t.state == TrialState.COMPLETE]
         if not complete:

@@ -22,6 +22,10 @@ import sys
 import time
 from pathlib import Path
 
+import torch
+from hydra import compose, initialize_config_dir
+from omegaconf import OmegaConf
+
 from bake.config.layout import conf_dir
 from bake.config.schema import task_label as label
 from bake.errors import BakeError
@@ -38,8 +42,6 @@ END_OF_TEXT = " [end of text]\n"  # what llama-completion prints when the model 
 
 
 def _compose(overrides: list[str], run_task: dict | None):
-    from hydra import compose, initialize_config_dir
-    from omegaconf import OmegaConf
 
     bad = [o for o in overrides if not o.split("=", 1)[0].lstrip("+").startswith("task")]
     if bad or any("=" not in o for o in overrides):
@@ -82,8 +84,7 @@ def _json(path: Path) -> dict | None:
 
 def _hf_model(kind: str, path: Path):
     """The model directory's model, loaded as its card says, and its tokenizer."""
-    import torch
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     model_dir = path / "model" if kind == "run" else path
     config = _json(model_dir / "config.json") or {}

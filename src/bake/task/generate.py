@@ -16,6 +16,7 @@ each step.
 
 from __future__ import annotations
 
+import inspect
 import logging
 import time
 from collections import deque
@@ -135,7 +136,7 @@ def _one_at_a_time(model, row: _Row, prompt: list[int], advance) -> None:
 
 
 def _batched(model, encoded, limits, order: deque, batch: int, advance) -> None:
-    from transformers import DynamicCache
+    from transformers import DynamicCache  # lazy: transformers
 
     device = next(model.parameters()).device
     rows: list[_Row] = []
@@ -209,7 +210,6 @@ def _prefill(model, prompts: list[list[int]], cache, device) -> tuple[Tensor, Te
 def _cache_arg(model) -> str:
     """The forward's name for the KV cache: ``cache`` (transformers 5.2x), ``past_key_values``
     before."""
-    import inspect
 
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 

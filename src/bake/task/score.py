@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
+from tqdm import tqdm
 
 from bake.models.stack import autocast_for
 from bake.storage import cache
@@ -162,8 +163,6 @@ class _progress:
         self.t0 = time.perf_counter()
         self.bar = None
         if console.interactive():
-            from tqdm import tqdm
-
             self.bar = tqdm(total=total, desc=what, unit="problem", leave=False)
 
     def __call__(self) -> None:
@@ -191,7 +190,7 @@ def chosen(spec: TaskSpec) -> list[Problem]:
 
 def backbone_key(model_key: str, items: list[Problem], spec: TaskSpec) -> str:
     """The cache identity of the backbone's score."""
-    import transformers
+    import transformers  # lazy: transformers
 
     return cache.digest(
         {

@@ -12,6 +12,8 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+import torch
+
 from bake.config.schema import task_label as label
 from bake.export.artifact import load_artifact
 from bake.models.baked import LoopedCausalLM
@@ -34,7 +36,7 @@ def judge(settings: Settings, model_dir: Path, fmt: str, stage: Path) -> dict | 
     spec = spec_of(settings.task)
     if not spec.enabled:
         return None
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # lazy: transformers
 
     t0 = time.perf_counter()
     items = chosen(spec)
@@ -122,7 +124,6 @@ def _model_key(settings: Settings) -> str:
 def _load_backbone(settings: Settings):
     """The backbone as transformers loads it (its converted files), in eval mode; a looped
     backbone runs its loops with every neuron open."""
-    import torch
 
     lm, tokenizer, _ = source_for(settings.model, settings.cache).load()
     lm.to(settings.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self

@@ -201,7 +201,7 @@ def latest_per_job(runs: list) -> list:
 
 
 def rows_from_mlflow(uri: str, parent: str) -> list[dict]:
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: mlflow
 
     if uri.startswith("sqlite:///") and not Path(uri[len("sqlite:///") :]).is_file():
         raise SystemExit(
@@ -251,7 +251,7 @@ def _row_of_failure(failed: dict, swept) -> dict:
 
 
 def _row_of_dir(job: Path, swept, problems: list[str]) -> dict:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: omegaconf
 
     hydra_dir = job / ".hydra"
     overrides = _read(hydra_dir / "overrides.yaml", _yaml_list, [], problems)
@@ -320,7 +320,7 @@ def _float(v) -> float:
 
 
 def _yaml_list(path: Path) -> list[str]:
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: omegaconf
 
     value = OmegaConf.load(path)
     if not OmegaConf.is_list(value):

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import logging
 import os
+import signal
 import sys
+import threading
 import warnings
+
+from tqdm import tqdm
 
 # Warnings of the libraries that a bake's user cannot act on (bake's own settings cause them).
 QUIET_WARNINGS = (
@@ -39,7 +43,6 @@ class BarSafeStream:
         self.stream = stream
 
     def write(self, text: str) -> int:
-        from tqdm import tqdm
 
         with tqdm.get_lock():
             bars = [b for b in list(tqdm._instances) if not b.disable and hasattr(b, "start_t")]
@@ -71,11 +74,11 @@ def quiet_libraries() -> None:
     chatter a user cannot act on; bake's own log lines are untouched."""
     os.environ.setdefault("HF_HUB_DISABLE_PROGRESS_BARS", "1")  # read when the Hub is imported
     if "huggingface_hub" in sys.modules:
-        from huggingface_hub.utils import disable_progress_bars
+        from huggingface_hub.utils import disable_progress_bars  # lazy: huggingface_hub
 
         disable_progress_bars()
     if "transformers" in sys.modules:
-        from transformers.utils import logging as hf_logging
+        from transformers.utils import logging as hf_logging  # lazy: transformers
 
         hf_logging.disable_progress_bar()
     for name in QUIET_LOGGERS:
@@ -131,7 +134,6 @@ def terminate(signum, frame) -> None:
 
 def interrupt_code() -> int:
     """The exit code of an interrupted bake: 128 + the signal (130 for Ctrl-C, 143 for SIGTERM)."""
-    import signal
 
     return 128 + (_SIGNALLED[0] if _SIGNALLED else int(signal.SIGINT))
 
@@ -144,13 +146,11 @@ def defer_interrupt(signum, frame) -> None:
 def allow_interrupts() -> None:
     """Import the heavy libraries, restore Ctrl-C's usual KeyboardInterrupt, and raise one if
     Ctrl-C was pressed meanwhile."""
-    import signal
-    import threading
 
-    import lightning  # noqa: F401
-    import mlflow  # noqa: F401
-    import torch  # noqa: F401
-    import transformers  # noqa: F401
+    import lightning  # noqa: F401  # lazy: lightning
+    import mlflow  # noqa: F401  # lazy: mlflow
+    import torch  # noqa: F401  # lazy: torch
+    import transformers  # noqa: F401  # lazy: transformers
 
     if threading.current_thread() is threading.main_thread():
         if signal.getsignal(signal.SIGINT) is defer_interrupt:

@@ -3,6 +3,11 @@ the last reset, so a bake can report what each stage cost on top of the loaded m
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import gc
+import signal
+import threading
 from pathlib import Path
 
 _STATUS = Path("/proc/self/status")
@@ -31,8 +36,6 @@ def peak_mb() -> float | None:
 def trim() -> None:
     """Give the C heap's free pages back to the system (glibc), so that what one phase freed
     does not stay resident under the next."""
-    import ctypes
-    import ctypes.util
 
     try:
         ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim(0)
@@ -47,9 +50,6 @@ def collect() -> None:
     would be printed as "Exception ignored" and lost; held, it is raised right after. It is held
     by a handler that only notes it (blocking the signal would hold it in this thread only, and
     the kernel hands a process's signal to any thread that does not block it)."""
-    import gc
-    import signal
-    import threading
 
     if threading.current_thread() is not threading.main_thread():
         gc.collect()

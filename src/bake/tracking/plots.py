@@ -13,10 +13,10 @@ if TYPE_CHECKING:
 
 
 def _plt():
-    import matplotlib
+    import matplotlib  # lazy: matplotlib
 
     matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # lazy: matplotlib
 
     return plt
 
@@ -129,7 +129,7 @@ def kept_figure(
 def _integer_ticks(n: int) -> Locator:
     """A tick on every layer while the labels have room, else on whole layers only (never
     the fractional ticks matplotlib would pick for a few layers)."""
-    from matplotlib.ticker import MaxNLocator, MultipleLocator
+    from matplotlib.ticker import MaxNLocator, MultipleLocator  # lazy: matplotlib
 
     return MultipleLocator(1) if n <= 32 else MaxNLocator(integer=True)
 
@@ -236,7 +236,7 @@ def search_figure(rows: list[dict]) -> Figure:
     failed = len(rows) - len(points)
     title = f"Search: {len(points)} trials" + (f", {failed} failed" if failed else "")
     ax.set(xlabel="trial", ylabel="exported held-out perplexity", title=title)
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # lazy: matplotlib
 
     ax.xaxis.set_major_locator(MaxNLocator(integer=True))
     if ax.get_legend_handles_labels()[0]:

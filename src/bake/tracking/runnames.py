@@ -77,8 +77,8 @@ def run_name(
 def swept_overrides(hydra_node: DictConfig) -> tuple[list[str], list[str]]:
     """(the sweep's overrides as typed, the keys it sweeps in order) from a multirun's ``hydra``
     node: the command line's overrides and the sweeper's ``params``."""
-    from hydra.core.override_parser.overrides_parser import OverridesParser
-    from omegaconf import OmegaConf
+    from hydra.core.override_parser.overrides_parser import OverridesParser  # lazy: hydra
+    from omegaconf import OmegaConf  # lazy: omegaconf
 
     lines = [str(o) for o in hydra_node.overrides.task]
     params = OmegaConf.select(hydra_node, "sweeper.params", default=None) or {}
@@ -92,7 +92,7 @@ def swept_overrides(hydra_node: DictConfig) -> tuple[list[str], list[str]]:
 def sweep_spec(sweep_dir: str) -> tuple[tuple[str, ...], tuple[str, ...]]:
     """:func:`swept_overrides` of the sweep whose ``multirun.yaml`` Hydra wrote into
     ``sweep_dir``; nothing is swept when the file is missing."""
-    from omegaconf import OmegaConf
+    from omegaconf import OmegaConf  # lazy: omegaconf
 
     path = Path(sweep_dir) / "multirun.yaml"
     if not path.is_file():

@@ -14,6 +14,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from hydra.experimental.callback import Callback
+from hydra.types import RunMode
+from omegaconf import OmegaConf
 
 from bake.config.schema import resolved
 from bake.storage.record import params_of
@@ -61,7 +63,6 @@ BEST_METRICS = (
 
 
 def multirun(hc) -> bool:
-    from hydra.types import RunMode
 
     return hc.mode == RunMode.MULTIRUN
 
@@ -97,7 +98,6 @@ def record_failed_job(cfg, hc, error: str) -> None:
 def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object]:
     """The sweep's settings as MLflow params: every resolved config value, the swept keys
     holding what the sweep gives them (``0.1,0.2,0.3``)."""
-    from omegaconf import OmegaConf
 
     job_cfg = OmegaConf.masked_copy(config, [k for k in config if k != "hydra"])
     try:
@@ -135,7 +135,6 @@ class SweepCallback(Callback):
         quiet_libraries()  # before MLflow creates its database and says so
         if not config.tracking.enabled or config.plan:  # plan=true: every job only prints
             return
-        from omegaconf import OmegaConf
 
         tcfg = OmegaConf.create(OmegaConf.to_container(config.tracking, resolve=True))
         self._sweep_dir = Path(config.hydra.sweep.dir)

@@ -9,12 +9,20 @@ answer before any training starts.
 
 from __future__ import annotations
 
+import fcntl
+import json
 import logging
 import math
 import numbers
 import os
 import shlex
+import sqlite3
 import subprocess
+import tempfile
+import time
+import urllib.error
+import urllib.request
+import uuid
 from collections.abc import Mapping
 from contextlib import contextmanager
 from pathlib import Path
@@ -60,7 +68,6 @@ def patiently(what: str, where: str, fn, *args, **kwargs):
     """``fn(*args, **kwargs)``, retried while the store is locked by another process, every 1 s
     doubling to 30 s, for up to :data:`STORE_WAIT` seconds (one warning when it starts); then
     :class:`StoreUnavailable` naming the store."""
-    import time
 
     deadline, delay = None, 1.0
     while True:
@@ -111,7 +118,7 @@ class Tracker:
         """Log ``values`` at ``step``; None, booleans and non-finite values are left out."""
         if not self.enabled:
             return
-        from mlflow.entities import Metric
+        from mlflow.entities import Metric  # lazy: mlflow
 
         now = _now_ms()
         batch = [
@@ -125,7 +132,7 @@ class Tracker:
     def params(self, values: dict[str, object]) -> None:
         if not self.enabled:
             return
-        from mlflow.entities import Param
+        from mlflow.entities import Param  # lazy: mlflow
 
         items = [Param(k, str(v)[:6000]) for k, v in values.items()]
         for i in range(0, len(items), 100):
@@ -134,7 +141,7 @@ class Tracker:
     def tags(self, values: dict[str, object]) -> None:
         if not self.enabled:
             return
-        from mlflow.entities import RunTag
+        from mlflow.entities import RunTag  # lazy: mlflow
 
         tags = [RunTag(k, str(v)) for k, v in values.items()]
         self._call("tags", self.client.log_batch, self.run_id, tags=tags)
@@ -149,8 +156,6 @@ class Tracker:
         append the rows to it."""
         if not self.enabled:
             return
-        import json
-        import tempfile
 
         names = list(columns)
         rows = [[_json_value(v) for v in r] for r in zip(*(columns[n] for n in names), strict=True)]
@@ -182,7 +187,6 @@ def _json_value(v):
 
 
 def _now_ms() -> int:
-    import time
 
     return int(time.time() * 1000)
 
@@ -191,8 +195,6 @@ def check_reachable(uri: str) -> None:
     """Fail before any training when a tracking server does not answer."""
     if not uri.startswith(("http://", "https://")):
         return
-    import urllib.error
-    import urllib.request
 
     try:
         with urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=5) as response:
@@ -215,7 +217,7 @@ def client_for(tcfg) -> MlflowClient:
     processes creating it at once would also collide ("duplicate column name"): bakes started
     together on a fresh outputs/ take turns through a lock file beside the store.
     """
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: mlflow
 
     uri = tcfg.uri
     check_reachable(uri)
@@ -235,9 +237,8 @@ def client_for(tcfg) -> MlflowClient:
 
 def _create_store(db: Path) -> None:
     """A new SQLite store at ``db``, its schema made in a temporary file renamed into place."""
-    import uuid
 
-    from mlflow import MlflowClient
+    from mlflow import MlflowClient  # lazy: mlflow
 
     # a name of its own per attempt: MLflow keeps a store (and its engine) per URI
     tmp = db.with_name(f".{db.name}.{os.getpid()}-{uuid.uuid4().hex[:8]}.creating")
@@ -291,7 +292,6 @@ def store_problems(tcfg) -> list[str]:
 
 def _sqlite_damage(db: Path) -> str | None:
     """What SQLite says is wrong with ``db`` (read only; None: it reads whole)."""
-    import sqlite3
 
     try:
         con = sqlite3.connect(f"file:{db}?mode=ro", uri=True, timeout=30)
@@ -307,7 +307,6 @@ def _sqlite_damage(db: Path) -> str | None:
 
 @contextmanager
 def _store_lock(db: Path):
-    import fcntl
 
     with open(db.with_name(db.name + ".lock"), "a") as fh:
         fcntl.flock(fh, fcntl.LOCK_EX)

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from hydra.core.config_store import ConfigStore
+from hydra.core.plugins import Plugins
 from hydra.plugins.sweeper import Sweeper
 
 from bake.errors import BakeError
@@ -45,7 +46,6 @@ def register() -> None:
     """Register the plugins with Hydra. Its scan of ``hydra_plugins`` finds them in an
     installed wheel, but not under an editable install (whose namespace packages it cannot
     list), so bake's command line registers them itself (:mod:`bake.cli`)."""
-    from hydra.core.plugins import Plugins
 
     plugins = Plugins.instance()
     for clazz in PLUGINS:

@@ -122,9 +122,9 @@ def sized_skeleton(family: Family, cfg: dict, widths: list[int]) -> PreTrainedMo
     Non-persistent buffers (the rotary frequencies) are rebuilt by :func:`bake.load_baked` once
     the weights are in.
     """
-    import torch
-    from torch import nn
-    from transformers import AutoConfig, AutoModelForCausalLM
+    import torch  # lazy: torch
+    from torch import nn  # lazy: torch
+    from transformers import AutoConfig, AutoModelForCausalLM  # lazy: transformers
 
     plain = {k: v for k, v in cfg.items() if k not in ("model_type", "per_layer_config")}
     plain["intermediate_size"] = max(widths)

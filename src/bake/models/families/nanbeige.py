@@ -44,7 +44,7 @@ def num_loops(cfg: dict) -> int:
 
 def llama_config(cfg: dict) -> LlamaConfig:
     """A LlamaConfig with the shape of a Nanbeige config.json."""
-    from transformers import LlamaConfig
+    from transformers import LlamaConfig  # lazy: transformers
 
     rope = {"rope_type": "default", "rope_theta": float(cfg.get("rope_theta", 10000.0))}
     if cfg.get("rope_scaling"):
@@ -88,10 +88,10 @@ def _shards(directory: Path) -> list[Path]:
 def load_nanbeige(directory: Path, cfg: dict) -> tuple[LlamaForCausalLM, PreTrainedTokenizerBase]:
     """Build the Llama-compatible model from a Nanbeige directory; returns (model, tokenizer)."""
     FAMILY.refuse(cfg, f"{directory / 'config.json'}")
-    import torch
-    from safetensors.torch import load_file
-    from transformers import AutoTokenizer, LlamaForCausalLM
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+    import torch  # lazy: torch
+    from safetensors.torch import load_file  # lazy: safetensors
+    from transformers import AutoTokenizer, LlamaForCausalLM  # lazy: transformers
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding  # lazy: transformers
 
     config = llama_config(cfg)
     with torch.device("meta"):

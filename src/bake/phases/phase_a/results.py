@@ -76,7 +76,7 @@ class PhaseAResult:
         return Selection(logits, choice.index, ev, choice.fell_back, note)
 
     def save(self, path: Path) -> None:
-        from safetensors.torch import save_file
+        from safetensors.torch import save_file  # lazy: safetensors
 
         tensors = {"final_logits": self.final_logits.contiguous()}
         if self.eval_logits is not None:
@@ -102,7 +102,7 @@ class PhaseAResult:
 
     @classmethod
     def _read(cls, path: Path) -> PhaseAResult:
-        from safetensors import safe_open
+        from safetensors import safe_open  # lazy: safetensors
 
         with safe_open(str(path), framework="pt") as fh:
             info = json.loads(fh.metadata()["info"])

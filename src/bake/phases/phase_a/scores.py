@@ -63,7 +63,7 @@ def activation_stats(stack: Stack, calib: Tensor, batch: int = 4) -> ActivationS
 def cached_stats(stack: Stack, calib: Tensor, path: Path) -> ActivationStats:
     """:func:`activation_stats`, read from ``path`` when an earlier run of the same model and
     corpus computed them (a full pass over the calibration set)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file, save_file  # lazy: safetensors
 
     def reader(p: Path) -> ActivationStats:
         t = load_file(p)

@@ -322,7 +322,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
 def _read_downs(path, mask, layers: int) -> tuple[list | None, Tensor | None]:
     """A run's saved least-squares solution and the structure it solved for (the one it
     started from, or the one it chose), when it was made from this keep mask."""
-    from safetensors.torch import load_file
+    from safetensors.torch import load_file  # lazy: safetensors
 
     if not path.is_file():
         return None, None
@@ -336,7 +336,7 @@ def _read_downs(path, mask, layers: int) -> tuple[list | None, Tensor | None]:
 def _save_downs(path, downs: list, mask, chosen: Tensor) -> None:
     """The repaired ``down_proj`` weights of a run and the structure they were solved for, for
     its resume (atomic)."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: safetensors
 
     tensors = {f"down.{li}": d.detach().cpu() for li, d in enumerate(downs)}
     extra = {"mask": mask.cpu(), "chosen": chosen.to(torch.uint8).flatten().cpu()}

@@ -45,7 +45,7 @@ def save_values(path: Path, tensors: list) -> None:
 @torch.no_grad()
 def restore_values(tensors: list, path: Path) -> None:
     """Copy the values :func:`save_values` wrote back into ``tensors``, one at a time."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     with safe_open(str(path), framework="pt") as f:
         for i, t in enumerate(tensors):

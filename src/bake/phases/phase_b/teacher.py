@@ -145,7 +145,7 @@ def teacher_dir_problem(path: Path) -> str | None:
 
 def _from_run(ctx: RunContext, run: Path) -> Teacher:
     """The exported FFN of a finished bake of the same backbone."""
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     stack = ctx.model.stack
     problem = teacher_dir_problem(run) or teacher_model_problem(run, ctx.model.key, stack.loops)
@@ -298,7 +298,7 @@ def _train_dense(ctx: RunContext) -> Teacher:
 
 
 def _save(path: Path, teacher: Teacher) -> None:
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file  # lazy: safetensors
 
     tensors = {
         f"{li}.{j}": w.detach().cpu().contiguous()
@@ -310,7 +310,7 @@ def _save(path: Path, teacher: Teacher) -> None:
 
 
 def _load(path: Path, device: torch.device) -> Teacher:
-    from safetensors import safe_open
+    from safetensors import safe_open  # lazy: safetensors
 
     with safe_open(str(path), framework="pt") as sf:
         info = json.loads((sf.metadata() or {})["info"])
