@@ -76,6 +76,21 @@ def compose(overrides: list[str] | None = None, hydra: bool = False):
         )
 
 
+def schema_settings(*overrides: str, **changes):
+    """The resolved settings of ``model=tiny`` with ``overrides`` (every other value the
+    schema's default, the one source of defaults), with the phase sections' ``changes``:
+    ``phase_a={...}``, ``phase_b={...}`` (tests that drive a phase's module directly)."""
+    from dataclasses import replace
+
+    from bake.models.sources import read_meta
+    from bake.phases.settings import resolve
+
+    cfg = compose(["model=tiny", *overrides])
+    s = resolve(cfg, read_meta(cfg.model, cfg.paths.cache))
+    sections = {k: replace(getattr(s, k), **v) for k, v in changes.items()}
+    return replace(s, **sections)
+
+
 def save_phi3(folder: Path) -> Path:
     """A tiny random Phi-3 (its MLP fuses gate and up: not a gated MLP bake can prune)."""
     from transformers import Phi3Config, Phi3ForCausalLM

@@ -392,3 +392,27 @@ def test_cfg_job_says_which_values_the_model_recipe_set(capsys):
         "# set by the model recipe conf/model_recipe/qwen2_5_coder.yaml: "
         "corpus.calib_chunks=96, phase_b.ls_chunks=48"
     )
+
+
+def test_the_settings_carry_no_default_of_their_own():
+    """The schema is the one source of a default: the resolved settings take every value from
+    the composed config (Phase B's ``baseline`` is the figure its stage starts from, not a
+    setting)."""
+    from dataclasses import MISSING, fields
+
+    from bake.phases import settings
+
+    classes = [
+        settings.PhaseASettings,
+        settings.PhaseBSettings,
+        settings.LeastSquaresSettings,
+        settings.ExportSettings,
+        settings.Settings,
+    ]
+    defaults = {
+        f"{c.__name__}.{f.name}"
+        for c in classes
+        for f in fields(c)
+        if f.default is not MISSING or f.default_factory is not MISSING
+    }
+    assert defaults == {"PhaseBSettings.baseline"}

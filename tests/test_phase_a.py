@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+from conftest import schema_settings
 from omegaconf import OmegaConf
 
 from bake.config import TinyConf
@@ -14,7 +15,6 @@ from bake.models.tiny import build_tiny
 from bake.phases import masks, structure
 from bake.phases.common import Identity, make_trainer
 from bake.phases.phase_a.mask import PhaseA
-from bake.phases.settings import PhaseASettings
 
 
 def tiny(loops=1, hidden=32, dtype=torch.float64):
@@ -128,6 +128,7 @@ def test_looped_rows_are_per_visit_with_their_own_gradients():
 
 
 def settings(**kw):
+    """Phase A's settings for a learned mask driven directly: the schema's values, then these."""
     base = dict(
         steps=6,
         l1_init=0.01,
@@ -138,9 +139,11 @@ def settings(**kw):
         tau=0.5,
         target_sparsity=0.0,
         eval_batch_size=4,
+        method="learned",
+        ship=None,
     )
     base.update(kw)
-    return PhaseASettings(**base)
+    return schema_settings(phase_a=base).phase_a
 
 
 def tcfg():

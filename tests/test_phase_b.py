@@ -8,19 +8,26 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import schema_settings
 from test_phase_a import tcfg, tiny
 
 from bake.phases import masks
 from bake.phases.common import Identity, make_trainer
 from bake.phases.phase_b.module import PhaseB, lr_at
-from bake.phases.settings import PhaseBSettings
+
+
+def _settings(**kw):
+    """Phase B's settings for its module driven directly: the schema's values, then these (Adam,
+    copies, the last ``layers``, as the reference trains)."""
+    base = dict(optimizer="adam", in_place=False, all_layers=False)
+    return schema_settings(phase_b=base | kw).phase_b
 
 
 @pytest.mark.trainer
 @pytest.mark.parametrize("loops", [1, 2])
 def test_learning_rate_is_cosine_over_loops(tmp_path, loops):
     stack = tiny(loops=loops, dtype=torch.float32)
-    s = PhaseBSettings(steps=6, lr=1e-3, layers=2, eval_every=3, eval_batch_size=4)
+    s = _settings(steps=6, lr=1e-3, layers=2, eval_every=3, eval_batch_size=4)
     g = torch.Generator().manual_seed(0)
     calib, held = (
         torch.randint(0, 256, (12, 16), generator=g),
@@ -52,7 +59,7 @@ def test_learning_rate_is_cosine_over_loops(tmp_path, loops):
 
 def _fit_phase_b(tmp_path, baseline: float, record: list):
     stack = tiny(dtype=torch.float32)
-    s = PhaseBSettings(steps=6, lr=3e-3, layers=2, eval_every=2, eval_batch_size=4)
+    s = _settings(steps=6, lr=3e-3, layers=2, eval_every=2, eval_batch_size=4)
     s.baseline = baseline
     g = torch.Generator().manual_seed(0)
     calib, held = (

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import schema_settings
 from reference_recipe import (
     Adafactor,
     Adam,
@@ -24,7 +25,6 @@ from bake.phases import masks, structure
 from bake.phases.common import Identity, make_trainer
 from bake.phases.phase_a.mask import PhaseA
 from bake.phases.phase_b.module import PhaseB
-from bake.phases.settings import PhaseASettings, PhaseBSettings
 
 
 def reference_of(stack) -> TinyLlama:
@@ -59,10 +59,10 @@ def test_phase_a_steps_equal_the_reference(tmp_path, loops, l1_init, l1_step):
     calib, held = data()
     m0 = masks.mask_init_logit(loops)
     init = torch.full((stack.num_virtual, stack.inter), m0, dtype=torch.float64)
-    s = PhaseASettings(
+    s = schema_settings(phase_a=dict(
         steps=5, l1_init=l1_init, l1_step=l1_step, l1_mult=1.0, lr=0.1, eval_every=2, tau=0.5,
-        target_sparsity=0.0, eval_batch_size=3,
-    )  # fmt: skip
+        target_sparsity=0.0, eval_batch_size=3, method="learned", ship=None,
+    )).phase_a  # fmt: skip
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "ref"))
     make_trainer(tcfg(), tmp_path / "a", s.steps, s.eval_every, "phase_a/select").fit(module)
     want = phase_a(reference_of(stack), calib, init.clone(), 5, 0.1, l1_init, l1_step, 2)
@@ -95,10 +95,10 @@ def test_phase_b_steps_under_the_hard_mask_equal_the_reference(
     gates = (torch.rand(stack.num_virtual, stack.inter, generator=torch.Generator().manual_seed(1))
              > 0.3).double()  # fmt: skip
     lr = {"adam": 1e-2, "sgd": 0.3, "adafactor": 1e-2}[optimizer]
-    s = PhaseBSettings(
+    s = schema_settings(phase_b=dict(
         steps=4, lr=lr, layers=2, eval_every=2, eval_batch_size=3, optimizer=optimizer,
-        block_layers=block, in_place=in_place,
-    )  # fmt: skip
+        block_layers=block, in_place=in_place, all_layers=False,
+    )).phase_b  # fmt: skip
     module = PhaseB(stack, calib, held, s, gates, Identity("tiny", "ref"))
     make_trainer(tcfg(), tmp_path / "b", s.steps, s.eval_every, "phase_b/select").fit(module)
     opt = {"adam": Adam, "sgd": Sgd, "adafactor": Adafactor}[optimizer]
@@ -131,11 +131,11 @@ def test_phase_a_training_the_ffn_with_the_mask_equals_the_reference(tmp_path, l
     g = torch.Generator().manual_seed(2)
     init = torch.randn(stack.num_virtual, stack.inter, generator=g, dtype=torch.float64) + 2.0
     rule = structure.ShipRule(0.3, 1, False, 0.5, ranked=True)
-    s = PhaseASettings(
+    s = schema_settings(phase_a=dict(
         steps=6, l1_init=0.5, l1_step=1.0, l1_mult=1.0, lr=0.05, eval_every=2, tau=0.5,
         target_sparsity=0.3, straight_through=True, eval_batch_size=3, controller=True,
-        ramp=0.5, ship=rule, train_ffn=True, ffn_lr=1e-2,
-    )  # fmt: skip
+        ramp=0.5, ship=rule, train_ffn=True, ffn_lr=1e-2, method="learned",
+    )).phase_a  # fmt: skip
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "ref"))
     make_trainer(tcfg(), tmp_path / "a", s.steps, s.eval_every, "phase_a/select").fit(module)
     ref = reference_of(stack)

@@ -43,19 +43,19 @@ class PhaseASettings:
     eval_every: int
     tau: float
     target_sparsity: float
-    straight_through: bool = False
-    open_gates: bool = False
-    eval_precision: str = "fp32"
-    eval_batch_size: int = 4
-    controller: bool = False
-    ramp: float = 0.5
-    ship: ShipRule | None = None
-    train_ffn: bool = False
-    ffn_lr: float = 1e-4
-    shared_loops: int = 1  # visits that share one mask (phase_a.shared_visits)
-    method: str = "learned"  # phase_a.method (bake.phases.phase_a registers each)
-    init: str = "constant"  # where a learned mask's logits start
-    init_logit: float = 2.0
+    straight_through: bool
+    open_gates: bool
+    eval_precision: str
+    eval_batch_size: int
+    controller: bool
+    ramp: float
+    ship: ShipRule | None
+    train_ffn: bool
+    ffn_lr: float
+    shared_loops: int  # visits that share one mask (phase_a.shared_visits)
+    method: str  # phase_a.method (bake.phases.phase_a registers each)
+    init: str  # where a learned mask's logits start
+    init_logit: float
 
     @property
     def trains(self) -> bool:
@@ -85,21 +85,23 @@ class PhaseBSettings:
     lr: float
     layers: int
     eval_every: int
-    eval_precision: str = "fp32"
-    eval_batch_size: int = 4
-    all_layers: bool = False
-    distill: float = 0.0
-    teacher: str = "backbone"  # backbone | dense | a run directory (bake.phases.phase_b.teacher)
-    baseline: float = float("inf")  # the held-out perplexity an evaluation must beat to be kept
-    optimizer: str = "adam"  # adam | adafactor | sgd
-    block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
-    lr_probe: tuple[float, ...] = ()  # fractions of lr tried first (bake.phases.phase_b.probe)
-    lr_probe_steps: int = 0  # the steps each of them trains before the held-out text decides
+    eval_precision: str
+    eval_batch_size: int
+    all_layers: bool
+    distill: float
+    teacher: str  # backbone | dense | a run directory (bake.phases.phase_b.teacher)
+    optimizer: str  # adam | adafactor | sgd
+    block_layers: int  # 0: every trained layer at once; N: groups of N layers in turn
+    lr_probe: tuple[float, ...]  # fractions of lr tried first (bake.phases.phase_b.probe)
+    lr_probe_steps: int  # the steps each of them trains before the held-out text decides
     # Train the weights it starts from in place (the backbone's, least squares'), not copies:
     # the caller saves and restores them (bake.phases.phase_b.train); never with distillation,
     # whose teacher is the backbone
-    in_place: bool = False
-    enabled: bool = True
+    in_place: bool
+    enabled: bool
+    # Not a setting: the held-out perplexity an evaluation must beat to be kept, the figure the
+    # repair starts from (Phase B's stage sets it)
+    baseline: float = float("inf")
 
     @property
     def probes(self) -> bool:
@@ -153,9 +155,9 @@ class Settings:
     least_squares: LeastSquaresSettings
     phase_b: PhaseBSettings
     export: ExportSettings
-    memory_limit_gib: float | None = None
-    plan_only: bool = False  # plan=true: the memory plan is printed and nothing runs
-    task: Any = None  # the task section: the skill the artifact is judged on (bake.task)
+    memory_limit_gib: float | None
+    plan_only: bool  # plan=true: the memory plan is printed and nothing runs
+    task: Any  # the task section: the skill the artifact is judged on (bake.task)
 
     @property
     def ship(self) -> ShipRule | None:
