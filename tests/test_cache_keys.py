@@ -118,10 +118,7 @@ def test_device_precision_and_frozen_weights_are_in_the_key():
         key = content_key = "c"
 
     def keys(settings, **change):
-        ctx = type("Ctx", (), {})()
-        ctx.settings = dataclasses.replace(settings, **change)
-        ctx.model, ctx.corpus = Model, Corpus
-        return stage.keys(ctx)
+        return stage.keys(dataclasses.replace(settings, **change), Model, Corpus)
 
     cfg = compose(["model=tiny"])
     meta = read_meta(cfg.model)

@@ -248,3 +248,48 @@ def test_an_import_inside_a_function_says_which_library_it_defers():
     assert len({(f, line) for f, line, *_ in inner}) > 50  # the walk sees inner imports
     own = [f"{f}:{line}" for f, line, _, mine in inner if mine]
     assert 0 < len(own) <= 20, own
+
+
+def _context_assignments(tree: ast.AST, fields: set[str]) -> list[str]:
+    """Assignments to a run context's fields after it is built: ``ctx.<field> = ...`` anywhere,
+    ``self.<field> = ...`` in RunContext's own methods."""
+    found = []
+    for node in ast.walk(tree):
+        targets: list[ast.expr] = []
+        if isinstance(node, ast.Assign):
+            targets = node.targets
+        elif isinstance(node, ast.AugAssign | ast.AnnAssign):
+            targets = [node.target]
+        for target in targets:  # the attribute itself, not an item of it (ctx.seconds[k])
+            for t in target.elts if isinstance(target, ast.Tuple) else [target]:
+                if isinstance(t, ast.Attribute) and t.attr in fields:
+                    if isinstance(t.value, ast.Name) and t.value.id == "ctx":
+                        found.append(ast.unparse(t))
+    for cls in (n for n in ast.walk(tree) if isinstance(n, ast.ClassDef)):
+        if cls.name != "RunContext":
+            continue
+        for node in ast.walk(cls):
+            if isinstance(node, ast.Assign):
+                for t in node.targets:
+                    if isinstance(t, ast.Attribute) and isinstance(t.value, ast.Name):
+                        if t.value.id == "self" and t.attr in fields:
+                            found.append(ast.unparse(t))
+    return found
+
+
+def test_no_field_of_the_run_context_is_assigned_after_it_is_built():
+    from dataclasses import fields
+
+    from bake.phases.context import RunContext
+
+    names = {f.name for f in fields(RunContext)}
+    assert {"model", "corpus", "keys", "trim", "plan", "ignored", "texts", "bpb"} <= names
+    offenders = {}
+    for path in sorted(ROOT.rglob("*.py")):
+        found = _context_assignments(ast.parse(path.read_text()), names)
+        if found:
+            offenders[str(path.relative_to(ROOT))] = found
+    assert offenders == {}
+    assert _context_assignments(ast.parse("ctx.trim = t\nctx.seconds['x'] = 1\n"), names) == [
+        "ctx.trim"
+    ]

@@ -44,23 +44,25 @@ class Keys:
 
 @dataclass
 class RunContext:
-    """What the stages of one bake share."""
+    """What the stages of one bake share: every field is given when it is built, after the
+    model and corpus are loaded (:func:`bake.run.pipeline.bake`); ``seconds`` and ``memory``
+    gather what each stage took as it runs."""
 
     settings: Settings
     run_dir: Path
     record: RunRecord
     tracker: Tracker
-    model: LoadedModel = field(init=False, repr=False)  # set when loaded, dropped for export
-    corpus: Corpus = field(init=False, repr=False)  # set when loaded
-    keys: Keys = field(init=False, repr=False)  # set once model and corpus are loaded
-    seconds: dict = field(default_factory=dict)
-    memory: measure.PeakTracker = field(default_factory=measure.PeakTracker)
-    texts: dict = field(default_factory=dict)  # split -> the chunks' text (bits per byte)
-    bpb: dict = field(default_factory=dict)  # split -> the backbone's bits per byte
-    trim: Trim | None = None  # the task-trimmed vocabulary the export writes (export.vocab)
-    ignored: list = field(default_factory=list)  # command-line keys nothing reads
-    recipe: dict | None = None  # the model recipe and the values it set (conf/model_recipe/)
-    plan: dict | None = None  # the memory plan made before loading (bake.memory.budget)
+    model: LoadedModel = field(repr=False)  # dropped for the export (release_model)
+    corpus: Corpus = field(repr=False)
+    keys: Keys  # the identities of Phase A's cached results
+    seconds: dict  # stage -> seconds
+    memory: measure.PeakTracker  # the peaks per stage, over the loaded model and corpus
+    texts: dict  # split -> the chunks' text (bits per byte)
+    bpb: dict  # split -> the backbone's bits per byte
+    trim: Trim | None  # the task-trimmed vocabulary the export writes (export.vocab)
+    ignored: list  # command-line keys nothing reads
+    recipe: dict | None  # the model recipe and the values it set (conf/model_recipe/)
+    plan: dict | None  # the memory plan made before loading (bake.memory.budget)
 
     @property
     def cache(self) -> Path:

@@ -46,10 +46,13 @@ from bake.tracking.sweep import job_name, multirun, parent_id
 from bake.tracking.tracker import Tracker, reopen_run, start_run
 
 if TYPE_CHECKING:
+    from bake.corpus.splits import Corpus
     from bake.memory.plan import Plan
+    from bake.models.loader import LoadedModel
     from bake.models.vocab import Trim
     from bake.phases.settings import Settings
     from bake.run.unused import Unused
+    from bake.storage.record import RunRecord
 
 log = logging.getLogger("bake")
 
@@ -105,11 +108,9 @@ def bake(
                     recipe["name"],
                     ", ".join(f"{k}={v}" for k, v in recipe["set"].items()),
                 )
-        ctx = RunContext(settings, Path(run_dir), record, tracker)
-        ctx.plan = plan.as_dict() if plan is not None else None
-        ctx.ignored = [u.as_dict() for u in ignored]
-        ctx.recipe = recipe
-        value = _stages(ctx)
+        t_start = time.perf_counter()
+        ctx = _start(settings, Path(run_dir), record, tracker, plan, ignored, recipe)
+        value = _stages(ctx, t_start)
         status = "FINISHED"
         return value
     except (KeyboardInterrupt, SystemExit):  # Ctrl-C, SIGTERM, a cluster preempting the job
@@ -132,13 +133,14 @@ def _quietly(fn, *args, **kwargs) -> None:
         log.warning("could not record the run's end (%s: %s)", type(exc).__name__, exc)
 
 
-def _timed(ctx: RunContext, name: str, fn, *args):
+def _timed(seconds: dict, memory: measure.PeakTracker, name: str, fn, *args):
+    """``fn(*args)``, its seconds in ``seconds[name]`` and its peak in ``memory``."""
     t0 = time.perf_counter()
     out = fn(*args)
-    ctx.seconds[name] = time.perf_counter() - t0
+    seconds[name] = time.perf_counter() - t0
     measure.collect()  # a phase's module and trainer hold reference cycles
-    if ctx.memory.loaded is not None:
-        ctx.memory.stage_done(name)
+    if memory.loaded is not None:
+        memory.stage_done(name)
     return out
 
 
@@ -150,26 +152,76 @@ def _log_evaluation(tracker: Tracker, prefix: str, ev: dict, offset: int = 0) ->
     tracker.metrics(values, offset + ev["step"])
 
 
-def _load(ctx: RunContext) -> None:
-    s = ctx.settings
-    ctx.model = _timed(ctx, "load", load_model, s.model, ctx.cache)
-    tokenizer = ctx.model.tokenizer
-    ctx.corpus = _timed(
-        ctx, "corpus", load_corpus, s.corpus, tokenizer, ctx.model.tokenizer_key, s.seed, ctx.cache
+def _start(
+    settings: Settings,
+    run_dir: Path,
+    record: RunRecord,
+    tracker: Tracker,
+    plan: Plan | None,
+    ignored: Sequence[Unused],
+    recipe: dict | None,
+) -> RunContext:
+    """Load the model and corpus, measure the backbone's bits per byte, trim the vocabulary
+    (``export.vocab=task``: before any training, what the GGUF file can hold is known), and
+    build the run context every stage receives, whole."""
+    L.seed_everything(settings.seed, workers=True, verbose=False)
+    seconds: dict = {}
+    memory = measure.PeakTracker()
+    model, corpus = _load(settings, run_dir, record, seconds, memory)
+    memory.start()  # peaks below are measured against the loaded model and corpus
+    texts, bits = _backbone_bits(model, corpus)
+    trim = None
+    if settings.export.vocab == "task":
+        trim = _timed(seconds, memory, "vocab", _vocab, settings, model, corpus)
+    return RunContext(
+        settings,
+        run_dir,
+        record,
+        tracker,
+        model=model,
+        corpus=corpus,
+        keys=stage.keys(settings, model, corpus),
+        seconds=seconds,
+        memory=memory,
+        texts=texts,
+        bpb=bits,
+        trim=trim,
+        ignored=[u.as_dict() for u in ignored],
+        recipe=recipe,
+        plan=plan.as_dict() if plan is not None else None,
     )
-    _same_corpus(ctx)
+
+
+def _load(
+    s: Settings, run_dir: Path, record: RunRecord, seconds: dict, memory: measure.PeakTracker
+) -> tuple[LoadedModel, Corpus]:
+    """The model on its device and the corpus it is baked on (checked against a resumed
+    run's)."""
+    model = _timed(seconds, memory, "load", load_model, s.model, s.cache)
+    tokenizer = model.tokenizer
+    corpus = _timed(
+        seconds,
+        memory,
+        "corpus",
+        load_corpus,
+        s.corpus,
+        tokenizer,
+        model.tokenizer_key,
+        s.seed,
+        s.cache,
+    )
+    _same_corpus(s, run_dir, record, corpus)
     if s.frozen_bf16:
-        forget(ctx.model)  # its weights change: a later bake of this process loads them anew
-        store_bf16(ctx.model.lm)
+        forget(model)  # its weights change: a later bake of this process loads them anew
+        store_bf16(model.lm)
         measure.trim()
-    ctx.model.lm.to(ctx.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
-    stack, corpus = ctx.model.stack, ctx.corpus
+    model.lm.to(s.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
+    stack = model.stack
     stack.checkpoint = s.checkpointing
-    ctx.keys = stage.keys(ctx)
     log.info(
         "model %s: %d layers x %d loop(s), FFN width %d; corpus: %d held-out, %d calibration, "
         "%d test chunks of %d tokens; evaluations on %s in %s",
-        ctx.model.key,
+        model.key,
         stack.num_layers,
         stack.loops,
         stack.inter,
@@ -177,50 +229,41 @@ def _load(ctx: RunContext) -> None:
         corpus.calib.shape[0],
         corpus.test.shape[0],
         s.corpus.chunk_len,
-        ctx.device,
-        ctx.precision,
+        s.device,
+        s.precision,
     )
+    return model, corpus
 
 
-def _same_corpus(ctx: RunContext) -> None:
+def _same_corpus(s: Settings, run_dir: Path, record: RunRecord, corpus: Corpus) -> None:
     """A new run records the corpus it trains on; a resume refuses a corpus whose text changed
     since (its checkpoints were made on the old text), naming the file that was edited."""
-
-    stages, key = ctx.record.stages, ctx.corpus.content_key
-    if not ctx.settings.resume or "corpus_key" not in stages:
+    stages, key = record.stages, corpus.content_key
+    if not s.resume or "corpus_key" not in stages:
         if rank_zero():
             stages["corpus_key"] = key
-            stages["corpus_files"] = source_files(ctx.settings.corpus, ctx.corpus)
-            ctx.record.save()
+            stages["corpus_files"] = source_files(s.corpus, corpus)
+            record.save()
         return
     if stages["corpus_key"] == key:
         return
-    changed = changed_files(
-        stages.get("corpus_files", {}), source_files(ctx.settings.corpus, ctx.corpus)
-    )
+    changed = changed_files(stages.get("corpus_files", {}), source_files(s.corpus, corpus))
     what = f"the corpus file {changed[0]}" if changed else "the corpus's text"
     more = f" (and {len(changed) - 1} more)" if len(changed) > 1 else ""
     raise BakeError(
-        f"resume={ctx.run_dir}: {what}{more} changed since the run started; its checkpoints "
+        f"resume={run_dir}: {what}{more} changed since the run started; its checkpoints "
         f"were trained on the old text: restore it, or start a new bake"
     )
 
 
-def _stages(ctx: RunContext) -> float:
-
-    s, t_start = ctx.settings, time.perf_counter()
-    L.seed_everything(s.seed, workers=True, verbose=False)
-    _load(ctx)
-    ctx.memory.start()  # peaks below are measured against the loaded model and corpus
-    backbone = _timed(ctx, "backbone_eval", ctx.held_ppl)
+def _stages(ctx: RunContext, t_start: float) -> float:
+    s = ctx.settings
+    backbone = _timed(ctx.seconds, ctx.memory, "backbone_eval", ctx.held_ppl)
     backbone_test = ctx.held_ppl(chunks=ctx.corpus.test) if ctx.corpus.test.numel() else None
-    _backbone_bits(ctx)
     log.info(
         "baseline (full): held-out %.3f (%.4f bits/byte)", backbone, ctx.bpb.get("held", math.nan)
     )
     ctx.tracker.metrics({"final/backbone_ppl": backbone, "final/backbone_test_ppl": backbone_test})
-    if s.export.vocab == "task":  # before any training: what the GGUF file can hold is known
-        ctx.trim = _timed(ctx, "vocab", _vocab, ctx)
     a = s.phase_a
     a_steps = a.steps if a.trains else 0  # Phase B's steps follow Phase A's on one axis
 
@@ -243,9 +286,9 @@ def _stages(ctx: RunContext) -> float:
     ctx.memory.stage_done("phase_a")
     _log_structure(ctx, keep, masked, result.cached)
     start = Repaired(result.ffn, masked)  # Phase A's trained FFN, if it trained any
-    ls = _timed(ctx, "least_squares", least_squares.run, ctx, keep, start)
+    ls = _timed(ctx.seconds, ctx.memory, "least_squares", least_squares.run, ctx, keep, start)
     keep = ls.keep or keep  # phase_a=reconstruction: the neurons least squares chose
-    final = _timed(ctx, "phase_b", train.run, ctx, keep, ls, on_b)
+    final = _timed(ctx.seconds, ctx.memory, "phase_b", train.run, ctx, keep, ls, on_b)
     ctx.mark_done("phase_b")
     out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)
     return _finish(ctx, out)
@@ -266,24 +309,24 @@ def _finish(ctx: RunContext, out: Outcome) -> float:
     return done["perplexity"]["exported"]
 
 
-def _backbone_bits(ctx: RunContext) -> None:
+def _backbone_bits(model: LoadedModel, corpus: Corpus) -> tuple[dict, dict]:
     """The chunks' text per split, and the backbone's bits per byte on it
     (:mod:`bake.models.bpb`)."""
-
-    tok, stack = ctx.model.tokenizer, ctx.model.stack
+    tok, stack = model.tokenizer, model.stack
     prefix = bool(bos_prefix(tok))
-    for split, chunks in (("held", ctx.corpus.held), ("test", ctx.corpus.test)):
-        ctx.texts[split] = bpb.texts_of(chunks, tok, prefix)
+    texts, bits = {}, {}
+    for split, chunks in (("held", corpus.held), ("test", corpus.test)):
+        texts[split] = bpb.texts_of(chunks, tok, prefix)
         if chunks.numel():
-            data = scored_texts(tok, ctx.texts[split], stack.lm.config)
-            ctx.bpb[split] = bpb.bits_per_byte(bpb.stack_nll(stack, data), data)
+            data = scored_texts(tok, texts[split], stack.lm.config)
+            bits[split] = bpb.bits_per_byte(bpb.stack_nll(stack, data), data)
+    return texts, bits
 
 
-def _vocab(ctx: RunContext) -> Trim:
+def _vocab(s: Settings, model: LoadedModel, corpus: Corpus) -> Trim:
     """The task-trimmed vocabulary: tokens counted over every calibration document."""
-
-    e, tok = ctx.settings.export, ctx.model.tokenizer
-    counts = vocab.count_tokens(tok, calibration_texts(ctx.settings.corpus, ctx.corpus))
+    e, tok = s.export, model.tokenizer
+    counts = vocab.count_tokens(tok, calibration_texts(s.corpus, corpus))
     trim = vocab.plan(tok, counts, e.vocab_min_count)
     problem = vocab.gguf_problem(tok, trim, e.gguf) if e.gguf != "none" else None
     if problem:

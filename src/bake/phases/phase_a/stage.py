@@ -23,8 +23,11 @@ from bake.storage.cache import building, code_digest, digest
 if TYPE_CHECKING:
     from pathlib import Path
 
+    from bake.corpus.splits import Corpus
+    from bake.models.loader import LoadedModel
     from bake.phases.common import OnEvaluation
     from bake.phases.context import RunContext
+    from bake.phases.settings import Settings
 
 log = logging.getLogger("bake")
 
@@ -51,26 +54,26 @@ PHASE_A_CODE = (
 )
 
 
-def target_in_key(ctx: RunContext) -> bool:
+def target_in_key(settings: Settings) -> bool:
     """Whether Phase A's result depends on the target (else a target sweep trains it once)."""
-    a = ctx.settings.phase_a
+    a = settings.phase_a
     return a.controller or a.ship is not None
 
 
-def keys(ctx: RunContext) -> Keys:
+def keys(settings: Settings, model: LoadedModel, corpus: Corpus) -> Keys:
     """The identities of Phase A's results for the loaded model and corpus: everything the
     result depends on (model, corpus, settings, the structure its evaluations score, the device
     type and evaluation precision, the frozen weights' storage, and the code); the identity a
     checkpoint must match to be resumed, without the settings a resume may change (the learning
     rate and steps of an unfinished phase); and the activation statistics' (model, corpus,
     loops, the frozen weights' storage, the code)."""
-    s, stack = ctx.settings, ctx.model.stack
+    s, stack = settings, model.stack
     code = code_digest(PHASE_A_CODE)
     frozen = "bf16" if s.frozen_bf16 else "fp32"
 
     def phase_a_key(for_resume: bool) -> str:
         a = dict(s.config["phase_a"])
-        if not target_in_key(ctx):
+        if not target_in_key(s):
             a.pop("target_sparsity")
         if for_resume:
             for key in ("lr", "steps", "ffn_lr"):
@@ -78,10 +81,10 @@ def keys(ctx: RunContext) -> Keys:
         rule = s.ship
         return digest(
             {
-                "model": ctx.model.key,
+                "model": model.key,
                 "loops": stack.loops,
                 "loop_norm": stack.loop_norm,
-                "corpus": ctx.corpus.content_key,
+                "corpus": corpus.content_key,
                 "seed": s.seed,
                 "phase_a": a,
                 "ship": None if rule is None else rule.__dict__,
@@ -94,7 +97,7 @@ def keys(ctx: RunContext) -> Keys:
             }
         )
 
-    parts = [ctx.model.key, ctx.corpus.content_key, stack.loops, stack.loop_norm]
+    parts = [model.key, corpus.content_key, stack.loops, stack.loop_norm]
     if s.frozen_bf16:  # bf16-rounded attention changes every activation (fp32 keys unchanged)
         parts.append(frozen)
     return Keys(phase_a_key(False), phase_a_key(True), digest([*parts, code]))
@@ -112,7 +115,7 @@ def _trained(ctx: RunContext, method, cache_path: Path, on_evaluation: OnEvaluat
     log.info(
         "Phase A: reusing the cached result %s (trained once for these settings%s)",
         cache_path,
-        "" if target_in_key(ctx) else f"; {only}",
+        "" if target_in_key(ctx.settings) else f"; {only}",
     )
     if not ctx.record.stages.get("phase_a_logged"):
         for ev in cached.evaluations:
