@@ -293,3 +293,33 @@ def test_no_field_of_the_run_context_is_assigned_after_it_is_built():
     assert _context_assignments(ast.parse("ctx.trim = t\nctx.seconds['x'] = 1\n"), names) == [
         "ctx.trim"
     ]
+
+
+def _calls(tree: ast.AST, names: set[str]) -> list[str]:
+    """Calls of functions or methods named in ``names``."""
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            f = node.func
+            name = f.attr if isinstance(f, ast.Attribute) else getattr(f, "id", "")
+            if name in names:
+                found.append(name)
+    return found
+
+
+def test_one_module_decides_what_ships():
+    """bake.phases.ship owns the decision (the structure, a repair kept, the alignment after the
+    repairs); Phase B's module applies the rule to its own checkpoints (a monitor); the export
+    writes and checks, and never evaluates bake's own model to decide."""
+    deciders = {"aligned_after", "repaired", "select_repair"}
+    callers = {}
+    for path in sorted(SRC.rglob("*.py")):
+        found = _calls(ast.parse(path.read_text()), deciders)
+        if found:
+            callers[str(path.relative_to(SRC))] = sorted(set(found))
+    assert callers == {
+        "phases/ship.py": ["aligned_after", "repaired", "select_repair"],
+        "phases/phase_b/module.py": ["select_repair"],
+    }
+    for path in sorted((SRC / "export").rglob("*.py")):
+        assert _calls(ast.parse(path.read_text()), {"held_ppl", *deciders}) == [], path

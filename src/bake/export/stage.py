@@ -27,7 +27,7 @@ from bake.export import model as writer
 from bake.export.artifact import measure, scored_texts
 from bake.export.card import write_card
 from bake.models import bpb
-from bake.phases.structure import Keep, aligned_after
+from bake.phases.structure import Keep
 from bake.storage.files import staged
 from bake.tracking.plots import kept_plot, phase_a_plot, phase_b_plot
 
@@ -73,20 +73,6 @@ def check_export(exported: float, expected: float, family: str, precision: str) 
     )
 
 
-def shipped(ctx: RunContext, out: Outcome) -> tuple[Keep, float]:
-    """The keep masks that ship and bake's own held-out perplexity of them with the final
-    weights: the structure the repairs worked on, or (the reference's order) that structure
-    aligned UP after the repairs, whose revived neurons no repair saw (measured here)."""
-    e, a = ctx.settings.export, ctx.settings.phase_a
-    if e.align_before_repair:
-        return out.keep, out.overlaid
-    num_layers = ctx.model.stack.num_layers
-    keep = aligned_after(out.selection.logits, a.tau, e.align, e.uniform, num_layers)
-    if torch.equal(keep.visits, out.keep.visits):
-        return keep, out.overlaid
-    return keep, ctx.held_ppl(keep.visits, out.final.ffn)
-
-
 Judge = Callable[[Path, str, Path], "dict | None"]
 
 
@@ -119,7 +105,7 @@ def _write(
 ) -> dict:
 
     t0, s = time.perf_counter(), ctx.settings
-    keep, expected = shipped(ctx, out)
+    keep, expected = out.shipped.keep, out.shipped.ppl  # decided by bake.phases.ship
     stack = ctx.model.stack
     model_info = {
         "name": s.model.name,
@@ -135,15 +121,15 @@ def _write(
         writer.write_masks(stage / "masks.safetensors", keep, out.selection.logits)
         trim = ctx.trim
         fmt = writer.write_model(
-            stage / "model", stack, ctx.model.tokenizer, keep, out.final.ffn, trim
+            stage / "model", stack, ctx.model.tokenizer, keep, out.shipped.ffn, trim
         )
         shipped_ppl = expected
         if trim is not None:  # bake's own model over the kept tokens, on the same text
             expected = _trimmed_reference(
-                stack, stage / "model", ctx.texts["held"], keep, out, trim
+                stack, stage / "model", ctx.texts["held"], keep, out.shipped.ffn, trim
             )
         del stack
-        out.final.ffn = out.least_squares.ffn = None
+        out.final.ffn = out.least_squares.ffn = out.shipped.ffn = None
         ctx.release_model()  # the check below loads the export: never two models at once
         measured = measure(
             stage / "model",
@@ -202,7 +188,7 @@ def _gguf(ctx: RunContext, stage: Path) -> dict | None:
     return info
 
 
-def _trimmed_reference(stack, model_dir: Path, texts, keep: Keep, out: Outcome, trim: Trim):
+def _trimmed_reference(stack, model_dir: Path, texts, keep: Keep, ffn, trim: Trim):
     """bake's perplexity of the held-out TEXT, tokenised by the trimmed tokenizer just written,
     with the softmax over the kept tokens: what the trimmed artifact must reproduce."""
     from transformers import AutoTokenizer  # lazy: transformers
@@ -210,7 +196,7 @@ def _trimmed_reference(stack, model_dir: Path, texts, keep: Keep, out: Outcome, 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     data = scored_texts(tokenizer, texts, stack.lm.config)
     kept = torch.tensor(trim.kept, dtype=torch.long)
-    nll = bpb.stack_nll(stack, data, keep.visits.float(), out.final.ffn, kept)
+    nll = bpb.stack_nll(stack, data, keep.visits.float(), ffn, kept)
     return bpb.per_token(nll, data)
 
 

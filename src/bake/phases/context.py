@@ -28,6 +28,7 @@ if TYPE_CHECKING:
     from bake.phases.phase_a.results import PhaseAResult, Selection
     from bake.phases.phase_b.repaired import Repaired
     from bake.phases.settings import Settings
+    from bake.phases.ship import Shipped
     from bake.phases.structure import Keep
     from bake.storage.record import RunRecord
     from bake.tracking.tracker import Tracker
@@ -125,7 +126,8 @@ class Outcome:
     keep: Keep  # the structure the repairs worked on (on the default path, what ships)
     masked: float  # held-out perplexity of that structure on the backbone's weights
     least_squares: Repaired  # after the least-squares repair (or the masked state)
-    final: Repaired  # after Phase B: the FFN weights that ship and their perplexity
+    final: Repaired  # after Phase B: its FFN weights and their perplexity
+    shipped: Shipped  # what the export writes (bake.phases.ship decides it)
     t_start: float
 
     @property

@@ -5,7 +5,8 @@
   to the alignment) and the ones that meet a target after alignment (:func:`target_keep`), both
   keeping each row's highest logits (:func:`keep_top`);
 - the shipping rule (:class:`ShipRule`): how the structure that ships is read from mask logits,
-  built once per bake (:mod:`bake.phases.context`) and handed to every stage that reads it;
+  built once per bake (:func:`bake.phases.settings.ship_rule`, from ``resolve``) and handed to
+  every stage that reads it;
 - :class:`Keep`: the structure a bake repairs and exports, and how it came from the mask.
 """
 

@@ -31,9 +31,8 @@ from bake.export.artifact import scored_texts
 from bake.models import bpb, vocab
 from bake.models.frozen import store_bf16
 from bake.models.loader import forget, load_model
-from bake.phases import structure
+from bake.phases import ship, structure
 from bake.phases.context import Outcome, RunContext
-from bake.phases.phase_a import stage
 from bake.phases.phase_a import stage as phase_a
 from bake.phases.phase_b import least_squares, train
 from bake.phases.phase_b.repaired import Repaired
@@ -180,7 +179,7 @@ def _start(
         tracker,
         model=model,
         corpus=corpus,
-        keys=stage.keys(settings, model, corpus),
+        keys=phase_a.keys(settings, model, corpus),
         seconds=seconds,
         memory=memory,
         texts=texts,
@@ -276,7 +275,8 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     t0 = time.perf_counter()
     result, selection = phase_a.run(ctx, on_a)
     ctx.mark_done("phase_a")
-    keep = structure.repaired(selection.logits, s.ship, a.tau, ctx.model.stack.num_layers)
+    num_layers = ctx.model.stack.num_layers
+    keep = ship.structure_to_repair(selection, s, num_layers)
     ev = selection.evaluation
     if s.ship is not None and ev is not None and not selection.fell_back:
         masked = ev["held_ppl"]  # that evaluation scored this very structure (and weights)
@@ -287,10 +287,14 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     _log_structure(ctx, keep, masked, result.cached)
     start = Repaired(result.ffn, masked)  # Phase A's trained FFN, if it trained any
     ls = _timed(ctx.seconds, ctx.memory, "least_squares", least_squares.run, ctx, keep, start)
-    keep = ls.keep or keep  # phase_a=reconstruction: the neurons least squares chose
+    keep = ship.after_least_squares(keep, ls)  # phase_a=reconstruction: its neurons
     final = _timed(ctx.seconds, ctx.memory, "phase_b", train.run, ctx, keep, ls, on_b)
     ctx.mark_done("phase_b")
-    out = Outcome(backbone, backbone_test, result, selection, keep, masked, ls, final, t_start)
+    shipped = ship.decide(s, selection, keep, final, ctx.held_ppl, num_layers)
+    log.info("ships: %s, held-PPL %.3f", shipped.why, shipped.ppl)
+    out = Outcome(
+        backbone, backbone_test, result, selection, keep, masked, ls, final, shipped, t_start
+    )
     return _finish(ctx, out)
 
 

@@ -43,8 +43,9 @@ from torch import Tensor
 
 from bake.models import loader
 from bake.models.stack import FfnOverride, Stack
+from bake.phases import ship
 from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
-from bake.phases.structure import compute_keep, select_repair
+from bake.phases.structure import compute_keep
 from bake.ranks import rank_name
 from bake.storage.cache import digest
 from bake.storage.files import atomic_write
@@ -292,7 +293,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     assert chosen is not None  # read back with the solution, or just chosen
     repaired = compute_keep(chosen, keep.alive, stack.num_layers) if select else keep
     ppl = ctx.held_ppl(repaired.visits, ffn)
-    kept = select_repair([ppl], start.ppl) is not None
+    kept = ship.keeps(ppl, start.ppl)
     if in_place:
         if not kept:
             restore_values(downs, originals)
