@@ -6,7 +6,7 @@ import subprocess
 import time
 
 import pytest
-from conftest import CONF, PYTHON, REPO, compose, run_bake, subprocess_env
+from conftest import CONF, PYTHON, REPO, compose, run_bake, schema_settings, subprocess_env
 from hydra.errors import ConfigCompositionException
 
 from bake.errors import ConfigError
@@ -221,6 +221,7 @@ def test_wrong_type_or_unknown_key_fails_at_compose(override, key):
 def test_validation_reports_every_problem_with_its_path():
     cfg = compose(
         [
+            "phase_a=learned",  # its own parameters check themselves
             "phase_a.tau=1.5",
             "phase_b.layers=0",
             "export.align=-1",
@@ -268,7 +269,8 @@ def test_shape_checks_read_metadata_only():
 
 @pytest.mark.cli
 def test_in_process_exit_code_2_and_no_traceback(capsys):
-    assert run_bake(["phase_a.tau=1.5", "phase_b.layers=0", "paths.outputs=/nonexistent"]) == 2
+    args = ["phase_a=learned", "phase_a.tau=1.5", "phase_b.layers=0", "paths.outputs=/nonexistent"]
+    assert run_bake(args) == 2
     err = capsys.readouterr().err
     assert "phase_a.tau=1.5" in err and "phase_b.layers=0" in err
     assert "Traceback" not in err
@@ -278,7 +280,7 @@ def test_in_process_exit_code_2_and_no_traceback(capsys):
 def test_cli_subprocess_config_errors_and_cfg_job(tmp_path):
     env = subprocess_env()
     bad = subprocess.run(
-        [PYTHON, "-m", "bake", "phase_a.tau=1.5", "phase_b.layers=0"],
+        [PYTHON, "-m", "bake", "phase_a=learned", "phase_a.tau=1.5", "phase_b.layers=0"],
         cwd=tmp_path,
         env=env,
         capture_output=True,
@@ -416,3 +418,18 @@ def test_the_settings_carry_no_default_of_their_own():
         if f.default is not MISSING or f.default_factory is not MISSING
     }
     assert defaults == {"PhaseBSettings.baseline"}
+
+
+def test_phase_a_settings_hold_only_what_every_method_shares():
+    """A method's own parameters are its own (bake.phases.phase_a: a learned mask's fifteen);
+    Phase A's settings keep the shared fields and the composed method's parameters."""
+    from dataclasses import fields
+
+    from bake.phases.phase_a.mask import LearnedParams
+    from bake.phases.settings import PhaseASettings
+
+    assert len(fields(PhaseASettings)) <= 6
+    learned = schema_settings("phase_a=learned").phase_a
+    assert isinstance(learned.params, LearnedParams) and learned.trains
+    flap = schema_settings().phase_a
+    assert flap.params is None and not flap.trains and flap.tau == 0.5

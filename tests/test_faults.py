@@ -27,7 +27,13 @@ from bake.errors import BakeError
 def test_several_out_of_range_values_exit_2_before_loading_weights(tmp_path, capsys):
     t0 = time.perf_counter()
     code = run_bake(
-        ["phase_a.tau=1.5", "phase_b.layers=0", "phase_a.lr=-1", f"paths.outputs={tmp_path}"]
+        [
+            "phase_a=learned",
+            "phase_a.tau=1.5",
+            "phase_b.layers=0",
+            "phase_a.lr=-1",
+            f"paths.outputs={tmp_path}",
+        ]
     )
     assert code == 2 and time.perf_counter() - t0 < 10
     err = capsys.readouterr().err

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -326,3 +327,85 @@ def test_controller_reaches_the_target_on_schedule(tmp_path, loops):
     assert all(e.sparsity == pytest.approx(0.25) for e in module.evaluations)
     moved = (module.logits.detach() - init).abs()
     assert moved.max() > 0.05  # the logits of kept and dropped neurons both learn
+
+
+DOWN_NORM = '''"""A Phase A method of another package: keep each layer's neurons with the largest
+||W_down[:, j]||."""
+
+import torch
+
+from bake.phases.phase_a import baseline, scores
+from bake.phases.phase_a.method import Method, nothing_unread, register
+
+
+def score(stack, stats):
+    n = stack.num_layers
+    rows = [stack.ffn_weights(v % n)[2].norm(dim=0) for v in range(stack.num_virtual)]
+    return torch.stack(rows).double()
+
+
+def run(ctx, on_evaluation):
+    return baseline.run(ctx, "down norm", score, scores.wanda_logits)
+
+
+METHOD = register(
+    Method(
+        name="down_norm",
+        label="down norm",
+        run=run,
+        reads=baseline.READS,
+        trains=False,
+        least_squares_chooses=False,
+        params=None,
+        unread=nothing_unread,
+    )
+)
+'''
+
+DOWN_NORM_YAML = """# A method of another package: python -m bake phase_a=down_norm
+defaults:
+  - phase_a_schema
+  - _self_
+
+method: down_norm  # registered by the package down_norm_method
+"""
+
+
+@pytest.mark.bake
+def test_a_phase_a_method_of_another_package_registers_and_bakes(tmp_path, docs_dir, monkeypatch):
+    """A method added without touching bake: its module registers it, its YAML sits on Hydra's
+    search path, and a bake with it ships the structure it chose (checked against the
+    backbone's own down_proj norms)."""
+    from conftest import last_run, report, run_bake, tiny_args
+    from omegaconf import OmegaConf
+    from safetensors.torch import load_file
+
+    from bake.models.loader import load_model
+    from bake.phases.phase_a import method as registry
+
+    monkeypatch.setattr(registry, "_METHODS", dict(registry._METHODS))  # undone after the test
+    (tmp_path / "pkgs" / "down_norm_method").mkdir(parents=True)
+    (tmp_path / "pkgs" / "down_norm_method" / "__init__.py").write_text(DOWN_NORM)
+    (tmp_path / "conf" / "phase_a").mkdir(parents=True)
+    (tmp_path / "conf" / "phase_a" / "down_norm.yaml").write_text(DOWN_NORM_YAML)
+    monkeypatch.syspath_prepend(str(tmp_path / "pkgs"))
+    args = [
+        "phase_a=down_norm",
+        f"hydra.searchpath=[file://{tmp_path / 'conf'}]",
+        "phase_b.enabled=false",
+        "tracking.enabled=false",
+    ]
+    assert run_bake(tiny_args(tmp_path / "o", docs_dir, *args)) == 2  # not registered yet
+    __import__("down_norm_method")
+    assert "down_norm" in registry.names()
+    assert run_bake(tiny_args(tmp_path / "o", docs_dir, *args)) == 0
+    run = last_run(tmp_path / "o")
+    assert report(run)["phase_a"]["method"] == "down_norm"
+    keep = load_file(run / "masks.safetensors")["keep_visits"].bool()
+    cfg = OmegaConf.load(run / "config.yaml")
+    stack = load_model(cfg.model, Path(cfg.paths.cache)).stack
+    for li in range(stack.num_layers):
+        norms = stack.ffn_weights(li)[2].detach().norm(dim=0)
+        top = torch.topk(norms, int(keep[li].sum())).indices
+        assert set(top.tolist()) == set(keep[li].nonzero().flatten().tolist())
+    assert keep.sum() < keep.numel()  # it pruned

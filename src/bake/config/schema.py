@@ -53,14 +53,6 @@ class MaskInit(StrEnum):
     flap = "flap"  # init logit + FLAP's standardised fluctuation score (its ranking)
 
 
-class PhaseAMethod(StrEnum):
-    learned = "learned"  # train the mask (the recipe)
-    wanda_sp = "wanda_sp"  # the Wanda-sp baseline: top-k neurons by score, no training
-    flap = "flap"  # the FLAP baseline: fluctuation metric, adaptive widths, no training
-    # FLAP's widths, each layer's neurons chosen by the error least squares leaves (OBS)
-    reconstruction = "reconstruction"
-
-
 class Controller(StrEnum):
     none = "none"  # the recipe: the L1 schedule alone sets the pace
     schedule = "schedule"  # the hard structure follows a sparsity ramped to the target
@@ -149,9 +141,11 @@ class CorpusConf:
 
 @dataclass
 class PhaseAConf:
-    # flap | wanda_sp (scores, no training) | reconstruction (FLAP's widths, neurons chosen by the
-    # least-squares error they leave) | learned
-    method: PhaseAMethod = PhaseAMethod.flap
+    # a registered Phase A method (bake.phases.phase_a): flap (the FLAP baseline: fluctuation
+    # metric, adaptive widths) | wanda_sp (top-k neurons by Wanda-sp's score) | reconstruction
+    # (FLAP's widths, neurons chosen by the least-squares error they leave) | learned (train the
+    # mask: the recipe)
+    method: str = "flap"
     # The target: the fraction of FFN neurons the exported model has removed, at least, over
     # all (virtual) layers, met after alignment (export.align_before_repair=true). With the
     # reference's order (align_before_repair=false) it is the sparsity floor of the evaluation

@@ -91,6 +91,7 @@ class Knobs:
     def of(cls, settings: Settings, shape: Shape, device: str) -> Knobs:
         """The knobs of a bake's resolved settings (:func:`bake.phases.settings.resolve`)."""
         a, b, ls = settings.phase_a, settings.phase_b, settings.least_squares
+        learned = a.params  # a trained mask's parameters (read only when Phase A trains)
         layers = shape.layers if b.all_layers else b.layers
         return cls(
             device=device,
@@ -100,9 +101,9 @@ class Knobs:
             eval_batch=settings.eval_batch,
             tracking=bool(settings.tracking.enabled),
             learned=a.trains,
-            stats=not a.trains or a.init != "constant",
-            a_ffn=a.trains and a.train_ffn,
-            a_evals=a.steps // max(1, a.eval_every) if a.trains else 1,
+            stats=not a.trains or learned.init != "constant",
+            a_ffn=a.trains and learned.train_ffn,
+            a_evals=learned.steps // max(1, learned.eval_every) if a.trains else 1,
             keep=1.0 - a.target_sparsity,
             # least squares runs whenever something is pruned: at the target, or wherever a
             # learned mask's L1 takes it (the reference's target 0)

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from bake.config.schema import resolved
+from bake.phases.phase_a import method as methods
 from bake.phases.structure import ShipRule
 
 if TYPE_CHECKING:
@@ -28,44 +29,31 @@ if TYPE_CHECKING:
 
 @dataclass
 class PhaseASettings:
-    """Phase A as plain numbers (no OmegaConf inside a module or checkpoint).
+    """Phase A as plain numbers (no OmegaConf inside a module or checkpoint): what every method
+    shares, and the composed method's own parameters (:mod:`bake.phases.phase_a.method`).
 
-    ``ship``: the structure an evaluation scores when the shipped structure is fixed before
-    the repairs (the target met after alignment); None scores the raw binarised mask, as the
-    reference does. ``tau``: the threshold that binarises mask logits (:func:`tau`).
+    ``tau``: the threshold that binarises mask logits (:func:`tau`). ``ship``: the structure an
+    evaluation scores when the shipped structure is fixed before the repairs (the target met
+    after alignment); None scores the raw binarised mask, as the reference does.
     """
 
-    steps: int
-    l1_init: float
-    l1_step: float
-    l1_mult: float
-    lr: float
-    eval_every: int
-    tau: float
+    method: str  # phase_a.method (its registered Method: bake.phases.phase_a)
     target_sparsity: float
-    straight_through: bool
-    open_gates: bool
-    eval_precision: str
-    eval_batch_size: int
-    controller: bool
-    ramp: float
+    tau: float
     ship: ShipRule | None
-    train_ffn: bool
-    ffn_lr: float
     shared_loops: int  # visits that share one mask (phase_a.shared_visits)
-    method: str  # phase_a.method (bake.phases.phase_a registers each)
-    init: str  # where a learned mask's logits start
-    init_logit: float
+    params: Any  # the method's own parameters (None: it has none), e.g. a learned mask's
 
     @property
     def trains(self) -> bool:
         """Whether Phase A trains (a learned mask); else it is a training-free score."""
-        return trains(self.method)
+        return methods.get(self.method).trains
 
     @property
     def least_squares_chooses(self) -> bool:
-        """Whether the least-squares pass chooses the neurons (:func:`least_squares_chooses`)."""
-        return least_squares_chooses(self.method)
+        """Whether the least-squares pass chooses the neurons at the widths the method gives
+        (``reconstruction``); the others' neurons are Phase A's own."""
+        return methods.get(self.method).least_squares_chooses
 
     @property
     def controller_rule(self) -> ShipRule:
@@ -173,22 +161,12 @@ class Settings:
         return self.meta.loops
 
 
-def trains(method: str) -> bool:
-    """Whether Phase A's ``method`` trains a mask (``learned``); the others score neurons."""
-    return method == "learned"
-
-
-def least_squares_chooses(method: str) -> bool:
-    """Whether the least-squares pass chooses the neurons at the widths Phase A's ``method``
-    gives (``reconstruction``); the others' neurons are Phase A's own."""
-    return method == "reconstruction"
-
-
 def tau(a) -> float:
-    """The threshold that binarises mask logits: ``phase_a.tau`` for a learned mask; 0.5 for a
-    training-free baseline, whose logits are shaped so that sigma(m) > 0.5 is its own choice
-    (``phase_a.tau`` is not read there)."""
-    return float(a.tau) if trains(str(a.method)) else 0.5
+    """The threshold that binarises mask logits: the method's own (``phase_a.tau`` for a
+    learned mask); 0.5 for a training-free method, whose logits are shaped so that
+    sigma(m) > 0.5 is its own choice (``phase_a.tau`` is not read there)."""
+    params = methods.get(str(a.method)).params_of(a)
+    return 0.5 if params is None else params.tau
 
 
 def ship_rule(a, e, loops: int = 1) -> ShipRule | None:
@@ -198,7 +176,8 @@ def ship_rule(a, e, loops: int = 1) -> ShipRule | None:
     structure (``phase_a.shared_visits``)."""
     if not e.align_before_repair:
         return None
-    ranked = trains(str(a.method)) and (a.controller == "schedule" or a.gate == "open")
+    params = methods.get(str(a.method)).params_of(a)
+    ranked = params is not None and params.ranked
     return ShipRule(a.target_sparsity, e.align, e.uniform_inter, tau(a), ranked, loops)
 
 
@@ -226,27 +205,12 @@ def resolve(cfg: DictConfig, meta: ModelMeta) -> Settings:
     precision = resolve_precision(device, str(a.eval_precision))
     shared = meta.loops if a.shared_visits else 1
     phase_a = PhaseASettings(
-        steps=int(a.steps),
-        l1_init=float(a.l1_init),
-        l1_step=float(a.l1_step),
-        l1_mult=float(a.l1_mult),
-        lr=float(a.lr),
-        eval_every=int(a.eval_every),
-        tau=tau(a),
-        target_sparsity=float(a.target_sparsity),
-        straight_through=a.gate == "straight_through",
-        open_gates=a.gate == "open",
-        eval_precision=precision,
-        eval_batch_size=int(t.eval_batch_size),
-        controller=a.controller == "schedule",
-        ramp=float(a.ramp),
-        ship=ship_rule(a, e, shared),
-        train_ffn=bool(a.train_ffn),
-        ffn_lr=float(a.ffn_lr),
-        shared_loops=shared,
         method=str(a.method),
-        init=str(a.init),
-        init_logit=float(a.init_logit),
+        target_sparsity=float(a.target_sparsity),
+        tau=tau(a),
+        ship=ship_rule(a, e, shared),
+        shared_loops=shared,
+        params=methods.get(str(a.method)).params_of(a, precision, int(t.eval_batch_size)),
     )
     phase_b = PhaseBSettings(
         steps=int(b.steps),

@@ -25,7 +25,7 @@ if TYPE_CHECKING:
     from bake.phases.phase_b.repaired import Repaired
     from bake.phases.settings import Settings
 
-HeldPpl = Callable[[Tensor, "FfnOverride"], float]  # held-out perplexity of (gates, weights)
+HeldPpl = Callable[[Tensor, "FfnOverride | None"], float]  # held-out perplexity of (gates, weights)
 
 
 @dataclass
@@ -34,7 +34,7 @@ class Shipped:
     backbone's own), bake's own held-out perplexity of them, and why this structure."""
 
     keep: Keep
-    ffn: FfnOverride
+    ffn: FfnOverride | None
     ppl: float
     why: str
 

@@ -214,7 +214,7 @@ def _load(
         forget(model)  # its weights change: a later bake of this process loads them anew
         store_bf16(model.lm)
         measure.trim()
-    model.lm.to(s.device)  # type: ignore[arg-type]  # functools.wraps hides the bound self
+    model.lm.to(s.device)
     stack = model.stack
     stack.checkpoint = s.checkpointing
     log.info(
@@ -264,7 +264,7 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     )
     ctx.tracker.metrics({"final/backbone_ppl": backbone, "final/backbone_test_ppl": backbone_test})
     a = s.phase_a
-    a_steps = a.steps if a.trains else 0  # Phase B's steps follow Phase A's on one axis
+    a_steps = a.params.steps if a.trains else 0  # Phase B's steps follow Phase A's on one axis
 
     def on_a(ev: dict) -> None:
         _log_evaluation(ctx.tracker, "phase_a", ev)

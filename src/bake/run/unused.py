@@ -15,8 +15,7 @@ from typing import TYPE_CHECKING
 
 from omegaconf import OmegaConf
 
-from bake.phases import phase_a
-from bake.phases.settings import trains
+from bake.phases.phase_a import method as methods
 
 if TYPE_CHECKING:
     from bake.models.meta import ModelMeta
@@ -66,7 +65,7 @@ def _layers_off(cfg) -> str | None:
 def _nothing_trains(cfg) -> str | None:
     """Neither phase trains: a training-free Phase A and no Phase B."""
 
-    if trains(str(cfg.phase_a.method)) or cfg.phase_b.enabled:
+    if methods.get(str(cfg.phase_a.method)).trains or cfg.phase_b.enabled:
         return None
     return f"phase_a.method={cfg.phase_a.method} and phase_b.enabled=false"
 
@@ -103,25 +102,6 @@ def _not_unit_tests(cfg) -> str | None:
     return None if t is not None and str(t.source) == "unit_tests" else f"task.source={t.source}"
 
 
-# What each phase_a key does where it is read. Which keys a method reads is the method's own
-# (READS and unread() of its module, bake.phases.phase_a).
-PHASE_A: dict[str, str] = {
-    "phase_a.steps": "the learned mask's optimiser steps",
-    "phase_a.lr": "the learning rate of the learned mask's logits",
-    "phase_a.eval_every": "the steps between the learned mask's evaluations",
-    "phase_a.l1_mult": "it scales the learned mask's L1 penalty",
-    "phase_a.l1_init": "the learned mask's L1 weight at step 0 (times l1_mult)",
-    "phase_a.l1_step": "the growth of the learned mask's L1 weight (times l1_mult)",
-    "phase_a.gate": "the learned mask's gate (the controller is always hard)",
-    "phase_a.init": "where the learned mask's logits start",
-    "phase_a.init_logit": "the learned mask's starting logit",
-    "phase_a.tau": "the threshold that binarises the learned mask's gates",
-    "phase_a.controller": "how the learned mask reaches its target",
-    "phase_a.ramp": "how fast the controller ramps to the target",
-    "phase_a.train_ffn": "whether the FFN weights train with the learned mask",
-    "phase_a.ffn_lr": "the learning rate of the FFN weights Phase A trains",
-    "phase_a.shared_visits": "one mask per physical layer for all its visits",
-}
 # key -> (the condition that leaves it unread, what it does where it is read)
 RULES: dict[str, tuple[Callable, str]] = {
     "phase_b.steps": (_phase_b_off, "Phase B's optimiser steps"),
@@ -156,25 +136,36 @@ RULES: dict[str, tuple[Callable, str]] = {
 }
 
 
+def phase_a_does() -> dict[str, str]:
+    """What each phase_a key does where it is read: each registered method states its own
+    (:mod:`bake.phases.phase_a`)."""
+    does: dict[str, str] = {}
+    for method in methods.registered():
+        for key, what in method.reads.items():
+            does.setdefault(f"phase_a.{key}", what)
+    return does
+
+
 def _phase_a(cfg, meta: ModelMeta) -> dict[str, str]:
     """phase_a key -> the setting that leaves it unread: the keys the composed method does not
     read at all, those it does not read with its other settings, and shared_visits on a model
     that does not loop."""
 
     a = cfg.phase_a
-    method = phase_a.method(str(a.method))
-    because = {k: f"phase_a.method={a.method}" for k in a.keys() if k not in method.READS}
-    because |= getattr(method, "unread", lambda _: {})(a)
+    method = methods.get(str(a.method))
+    because = {k: f"phase_a.method={a.method}" for k in a.keys() if k not in method.reads}
+    because |= method.unread(a)
     looped = _not_looped(cfg, meta)
     if looped is not None:
         because.setdefault("shared_visits", looped)
-    return {f"phase_a.{k}": why for k, why in because.items() if f"phase_a.{k}" in PHASE_A}
+    return {f"phase_a.{k}": why for k, why in because.items()}
 
 
 def unused(cfg, meta: ModelMeta) -> dict[str, Unused]:
     """Every key the composed ``cfg`` (of a model of shape ``meta``) does not read."""
 
-    found = {key: (why, PHASE_A[key]) for key, why in _phase_a(cfg, meta).items()}
+    described = phase_a_does()
+    found = {k: (why, described[k]) for k, why in _phase_a(cfg, meta).items() if k in described}
     for key, (rule, does) in RULES.items():
         because = rule(cfg)
         if because is not None:

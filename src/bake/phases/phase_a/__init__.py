@@ -7,26 +7,17 @@
 - :mod:`~bake.phases.phase_a.learned`: a learned gate per neuron (the reference recipe, the
   sparsity controller, open gates that rank), trained in :mod:`~bake.phases.phase_a.mask`.
 
-Each method's module states the ``phase_a`` keys it reads (``READS``; a key given on the command
-line that the composed method does not read is named in a warning, :mod:`bake.run.unused`)
-and gives ``run(ctx, on_evaluation) -> PhaseAResult``. :mod:`~bake.phases.phase_a.stage` runs
-the method of a bake, caches its result and selects the evaluation that goes on.
+Each method's module registers one :class:`~bake.phases.phase_a.method.Method`: its name, the
+``phase_a`` keys it reads (a key given on the command line that the composed method does not
+read is named in a warning, :mod:`bake.run.unused`), its parameters and their checks, and its
+``run(ctx, on_evaluation) -> PhaseAResult``. :mod:`~bake.phases.phase_a.stage` runs the method
+of a bake, caches its result and selects the evaluation that goes on.
 """
 
 from __future__ import annotations
 
-import importlib
-from types import ModuleType
+from bake.phases.phase_a import flap, learned, reconstruction, wanda_sp
+from bake.phases.phase_a.method import Method, get, names, register
 
-# phase_a.method -> the module of that method
-METHODS = {
-    "flap": "bake.phases.phase_a.flap",
-    "wanda_sp": "bake.phases.phase_a.wanda_sp",
-    "reconstruction": "bake.phases.phase_a.reconstruction",
-    "learned": "bake.phases.phase_a.learned",
-}
-
-
-def method(name: str) -> ModuleType:
-    """The module of Phase A's method ``name`` (``phase_a.method``)."""
-    return importlib.import_module(METHODS[str(name)])
+BUILT_IN = (flap.METHOD, wanda_sp.METHOD, reconstruction.METHOD, learned.METHOD)
+__all__ = ["BUILT_IN", "Method", "get", "names", "register"]

@@ -22,6 +22,14 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("bake")
 
+# the phase_a keys a training-free method reads, and what each does (shared_visits on a looped
+# model only)
+READS = {
+    "method": "the Phase A method",
+    "target_sparsity": "the fraction of FFN neurons the export removes",
+    "shared_visits": "one mask per physical layer for all its visits",
+    "eval_precision": "the precision of the held-out evaluations",
+}
 Score = Callable[[Stack, scores.ActivationStats], Tensor]  # [num_virtual, inter]
 Logits = Callable[[Tensor, float], Tensor]  # (scores, target) -> mask logits
 

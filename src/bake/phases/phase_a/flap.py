@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bake.phases.phase_a import baseline, scores
+from bake.phases.phase_a.method import Method, nothing_unread, register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
@@ -16,10 +17,22 @@ if TYPE_CHECKING:
     from bake.phases.phase_a.results import PhaseAResult
 
 LABEL = "FLAP"
-# the phase_a keys FLAP reads (shared_visits on a looped model only)
-READS = ("method", "target_sparsity", "shared_visits", "eval_precision")
 
 
 def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     """FLAP's scores at the target, as mask logits (one evaluation: the structure that ships)."""
     return baseline.run(ctx, LABEL, scores.flap, scores.flap_logits)
+
+
+METHOD = register(
+    Method(
+        name="flap",
+        label=LABEL,
+        run=run,
+        reads=baseline.READS,
+        trains=False,
+        least_squares_chooses=False,
+        params=None,
+        unread=nothing_unread,
+    )
+)

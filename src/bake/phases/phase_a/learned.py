@@ -16,8 +16,9 @@ import torch
 
 from bake.phases import masks
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
-from bake.phases.phase_a import scores
-from bake.phases.phase_a.mask import PhaseA, eval_every_note
+from bake.phases.phase_a import baseline, scores
+from bake.phases.phase_a.mask import LearnedParams, PhaseA, eval_every_note
+from bake.phases.phase_a.method import Method, register
 from bake.phases.phase_a.results import PhaseAResult
 
 if TYPE_CHECKING:
@@ -25,32 +26,29 @@ if TYPE_CHECKING:
 
     from bake.phases.common import OnEvaluation
     from bake.phases.context import RunContext
-    from bake.phases.phase_a.mask import PhaseA
+    from bake.phases.settings import PhaseASettings
 
 log = logging.getLogger("bake")
 
 LABEL = "learned mask"
-# the phase_a keys a learned mask reads (some only with other settings: :func:`unread`)
-READS = (
-    "method",
-    "steps",
-    "l1_init",
-    "l1_step",
-    "l1_mult",
-    "lr",
-    "eval_every",
-    "tau",
-    "target_sparsity",
-    "gate",
-    "init",
-    "init_logit",
-    "eval_precision",
-    "controller",
-    "ramp",
-    "shared_visits",
-    "train_ffn",
-    "ffn_lr",
-)
+# the phase_a keys a learned mask reads (some only with other settings: :func:`unread`), and
+# what each does there
+READS = baseline.READS | {
+    "steps": "the learned mask's optimiser steps",
+    "lr": "the learning rate of the learned mask's logits",
+    "eval_every": "the steps between the learned mask's evaluations",
+    "l1_mult": "it scales the learned mask's L1 penalty",
+    "l1_init": "the learned mask's L1 weight at step 0 (times l1_mult)",
+    "l1_step": "the growth of the learned mask's L1 weight (times l1_mult)",
+    "gate": "the learned mask's gate (the controller is always hard)",
+    "init": "where the learned mask's logits start",
+    "init_logit": "the learned mask's starting logit",
+    "tau": "the threshold that binarises the learned mask's gates",
+    "controller": "how the learned mask reaches its target",
+    "ramp": "how fast the controller ramps to the target",
+    "train_ffn": "whether the FFN weights train with the learned mask",
+    "ffn_lr": "the learning rate of the FFN weights Phase A trains",
+}
 
 
 def unread(a) -> dict[str, str]:
@@ -76,11 +74,12 @@ def initial_logits(ctx: RunContext) -> torch.Tensor:
     z-score of log(Wanda-sp score) with ``phase_a.init=wanda``, or FLAP's standardised score
     with ``phase_a.init=flap`` (its ranking, the best measured training-free one)."""
     a, stack = ctx.settings.phase_a, ctx.model.stack
-    m0 = masks.mask_init_logit(stack.loops, a.init_logit)
-    if a.init == "wanda":
+    p = learned(a)
+    m0 = masks.mask_init_logit(stack.loops, p.init_logit)
+    if p.init == "wanda":
         logits = scores.init_logits(scores.wanda(stack, scores.of_run(ctx)), m0)
         return masks.share_visits(logits, a.shared_loops)
-    if a.init == "flap":
+    if p.init == "flap":
         logits = m0 + scores.flap(stack, scores.of_run(ctx))
         return masks.share_visits(logits, a.shared_loops)
     return torch.full((stack.num_virtual, stack.inter), m0)
@@ -90,7 +89,8 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     """Phase A's training in its Lightning Trainer (resuming from ``last.ckpt`` on resume)."""
 
     a = ctx.settings.phase_a
-    note = eval_every_note(a.steps, a.eval_every)
+    p = learned(a)
+    note = eval_every_note(p.steps, p.eval_every)
     if note:
         log.warning(note)
     module = PhaseA(
@@ -106,13 +106,19 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     if loops > 1:  # one gate set per physical layer: its visits' gradients are summed
         module.logits.register_hook(lambda grad: masks.share_visits(grad, loops, "sum"))
     phase_dir = ctx.run_dir / "checkpoints" / "phase_a"
-    trainer = make_trainer(ctx.settings.trainer, phase_dir, a.steps, a.eval_every, "phase_a/select")
+    trainer = make_trainer(ctx.settings.trainer, phase_dir, p.steps, p.eval_every, "phase_a/select")
     t0 = time.perf_counter()
     fit(trainer, module, resume_point(phase_dir) if ctx.settings.resume else None)
     result = PhaseAResult.from_module(module, time.perf_counter() - t0)
-    if a.train_ffn:
+    if p.train_ffn:
         result.ffn = trained_ffn(module, phase_dir)
     return result
+
+
+def learned(a: PhaseASettings) -> LearnedParams:
+    """The learned mask's parameters of Phase A's settings ``a``."""
+    assert isinstance(a.params, LearnedParams), a.method
+    return a.params
 
 
 def trained_ffn(module: PhaseA, phase_dir: Path) -> dict:
@@ -129,3 +135,17 @@ def trained_ffn(module: PhaseA, phase_dir: Path) -> dict:
     return {
         li: tuple(best[f"ffn.{3 * li + k}"].float().clone() for k in range(3)) for li in range(n)
     }
+
+
+METHOD = register(
+    Method(
+        name="learned",
+        label=LABEL,
+        run=run,
+        reads=READS,
+        trains=True,
+        least_squares_chooses=False,
+        params=LearnedParams.of,
+        unread=unread,
+    )
+)

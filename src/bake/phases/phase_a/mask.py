@@ -26,13 +26,15 @@ Training is strict fp32 (no autocast, no TF32): the mask selects neurons by its 
 from __future__ import annotations
 
 import logging
+import math
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import lightning as L
 import torch
 from torch import Tensor, nn
 
-from bake.errors import BakeError
+from bake.errors import BakeError, ConfigError
 from bake.models.stack import FfnOverride, Stack, autocast_for, perplexity
 from bake.phases import masks
 from bake.phases.common import (
@@ -43,9 +45,11 @@ from bake.phases.common import (
     held_loader,
     step_loader,
 )
-from bake.phases.settings import PhaseASettings
 from bake.phases.structure import Choice, ShipRule, select
 from bake.tracking import measure
+
+if TYPE_CHECKING:
+    from bake.phases.settings import PhaseASettings
 
 log = logging.getLogger("bake.phase_a")
 
@@ -64,6 +68,88 @@ class Evaluation:
 
     def as_dict(self) -> dict:
         return {k: v for k, v in self.__dict__.items() if k != "closed_names"}
+
+
+@dataclass(frozen=True)
+class LearnedParams:
+    """A learned mask's parameters (the ``phase_a`` keys of ``method=learned``), checked when
+    they are made: :class:`ConfigError` names every value out of range."""
+
+    steps: int
+    l1_init: float
+    l1_step: float
+    l1_mult: float
+    lr: float
+    eval_every: int
+    tau: float  # a gate is kept when sigma(m) > tau
+    straight_through: bool  # phase_a.gate=straight_through
+    open_gates: bool  # phase_a.gate=open: dense gates that rank
+    controller: bool  # phase_a.controller=schedule
+    ramp: float
+    train_ffn: bool
+    ffn_lr: float
+    init: str  # where the logits start: constant | wanda | flap
+    init_logit: float
+    eval_precision: str  # of its held-out evaluations (the bake's resolved precision)
+    eval_batch_size: int  # held-out chunks per forward (trainer.eval_batch_size)
+
+    def __post_init__(self) -> None:
+        problems = []
+
+        def need(ok: bool, key: str, value, rule: str) -> None:
+            if not ok:
+                problems.append(f"phase_a.{key}={value}: {rule}")
+
+        need(self.steps >= 1, "steps", self.steps, "must be >= 1")
+        need(self.eval_every >= 1, "eval_every", self.eval_every, "must be >= 1")
+        need(
+            0 < self.tau < 1,
+            "tau",
+            self.tau,
+            "must be in (0, 1): a gate is kept when sigma(m) > tau",
+        )
+        need(self.lr > 0 and math.isfinite(self.lr), "lr", self.lr, "must be a finite number > 0")
+        need(0 <= self.ramp <= 1, "ramp", self.ramp, "must be in [0, 1]: a fraction of the steps")
+        for key in ("l1_init", "l1_step", "l1_mult"):
+            value = getattr(self, key)
+            need(value >= 0 and math.isfinite(value), key, value, "must be >= 0")
+        need(math.isfinite(self.init_logit), "init_logit", self.init_logit, "must be finite")
+        if problems:
+            raise ConfigError(problems)
+
+    @property
+    def uses_target(self) -> bool:
+        """Its training steers to the target (the controller): its result depends on it."""
+        return self.controller
+
+    @property
+    def ranked(self) -> bool:
+        """Its structure is read by rank, no threshold consulted: the controller's mask and
+        open gates."""
+        return self.controller or self.open_gates
+
+    @classmethod
+    def of(cls, a, precision: str, eval_batch: int) -> LearnedParams:
+        """From the ``phase_a`` section ``a``."""
+        return cls(
+            steps=int(a.steps),
+            l1_init=float(a.l1_init),
+            l1_step=float(a.l1_step),
+            l1_mult=float(a.l1_mult),
+            lr=float(a.lr),
+            eval_every=int(a.eval_every),
+            tau=float(a.tau),
+            straight_through=a.gate == "straight_through",
+            open_gates=a.gate == "open",
+            controller=a.controller == "schedule",
+            ramp=float(a.ramp),
+            train_ffn=bool(a.train_ffn),
+            ffn_lr=float(a.ffn_lr),
+            init=str(a.init),
+            init_logit=float(a.init_logit),
+            eval_precision=precision,
+            eval_batch_size=int(eval_batch),
+        )
 
 
 class PhaseA(CalibrationSteps, L.LightningModule):
@@ -85,11 +171,12 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         super().__init__()
         self.stack = stack  # a plain object: not a submodule, so not in any state_dict
         self.calib, self.held, self.s, self.identity = calib, held, settings, identity
+        self.p: LearnedParams = settings.params
         self.logits = nn.Parameter(init_logits.detach().clone())  # fp32 from the pipeline
         # With train_ffn, copies of every layer's gate/up/down train with the gates: the
         # structure is chosen while the model it prunes is being repaired.
         self.ffn = nn.ParameterList()
-        if settings.train_ffn:
+        if self.p.train_ffn:
             for li in range(stack.num_layers):
                 for w in (base or {}).get(li) or stack.ffn_weights(li):
                     self.ffn.append(nn.Parameter(w.detach().clone()))
@@ -119,45 +206,45 @@ class PhaseA(CalibrationSteps, L.LightningModule):
     def ffn_lr_at(self, step: int) -> float:
         """The FFN copies' learning rate: cosine over the phase, divided by the loop depth
         (each physical FFN is visited ``loops`` times per token), as Phase B's."""
-        return self.s.ffn_lr * masks.cosine_scale(step, self.s.steps) / self.stack.loops
+        return self.p.ffn_lr * masks.cosine_scale(step, self.p.steps) / self.stack.loops
 
     def on_train_start(self) -> None:
         # A resume restores the optimizer with the learning rate it was saved with; a resume
         # that lowers phase_a.lr (after a diverged loss) must train with the new one.
         groups = self.trainer.optimizers[0].param_groups
-        groups[0]["lr"] = self.s.lr
-        if self.s.train_ffn:
+        groups[0]["lr"] = self.p.lr
+        if self.p.train_ffn:
             sched = self.trainer.lr_scheduler_configs[0].scheduler
-            sched.base_lrs = [self.s.lr, self.s.ffn_lr]
+            sched.base_lrs = [self.p.lr, self.p.ffn_lr]
             groups[1]["lr"] = self.ffn_lr_at(self.global_step)
 
     def configure_optimizers(self):
-        groups = [{"params": [self.logits], "lr": self.s.lr}]
-        if not self.s.train_ffn:
+        groups = [{"params": [self.logits], "lr": self.p.lr}]
+        if not self.p.train_ffn:
             return torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
-        groups.append({"params": list(self.ffn), "lr": self.s.ffn_lr})
+        groups.append({"params": list(self.ffn), "lr": self.p.ffn_lr})
         opt = torch.optim.Adam(groups, betas=(0.9, 0.999), eps=1e-8, weight_decay=0.0)
         sched = torch.optim.lr_scheduler.LambdaLR(
-            opt, [lambda s: 1.0, lambda s: self.ffn_lr_at(s) / self.s.ffn_lr]
+            opt, [lambda s: 1.0, lambda s: self.ffn_lr_at(s) / self.p.ffn_lr]
         )
         return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
 
     def train_dataloader(self):
-        return step_loader(self.s.steps)
+        return step_loader(self.p.steps)
 
     @property
     def l1(self) -> float:
         """The L1 weight of the current step (the schedule is a function of the step)."""
-        s = self.s
-        return masks.l1_weight(self.global_step, s.eval_every, s.l1_init, s.l1_step, s.l1_mult)
+        p = self.p
+        return masks.l1_weight(self.global_step, p.eval_every, p.l1_init, p.l1_step, p.l1_mult)
 
     def gates(self) -> Tensor:
         """The training gates: the recipe's (sigmoid or straight-through), or with the
         controller the hard structure at this step's scheduled sparsity, straight-through."""
-        s = self.s
-        if not s.controller:
-            return masks.soft_gates(self.logits, s.tau, s.straight_through, s.open_gates)
-        sparsity = masks.target_at(self.global_step, s.steps, s.target_sparsity, s.ramp)
+        s, p = self.s, self.p
+        if not p.controller:
+            return masks.soft_gates(self.logits, s.tau, p.straight_through, p.open_gates)
+        sparsity = masks.target_at(self.global_step, p.steps, s.target_sparsity, p.ramp)
         hard = self.rule().at(self.logits.detach(), sparsity).to(self.logits.dtype)
         sig = torch.sigmoid(self.logits)
         return hard + sig - sig.detach()
@@ -177,7 +264,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
     ) -> None:
         masks.clip_global_norm([self.logits], 1.0)
-        if self.s.train_ffn:  # the weights' gradients are clipped on their own, as Phase B's
+        if self.p.train_ffn:  # the weights' gradients are clipped on their own, as Phase B's
             masks.clip_global_norm(list(self.ffn), 1.0)
 
     def on_train_batch_end(self, outputs, batch, batch_idx) -> None:
@@ -188,7 +275,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
 
     # -- evaluation --------------------------------------------------------------------------
     def val_dataloader(self):
-        return held_loader(self.held, self.s.eval_batch_size)
+        return held_loader(self.held, self.p.eval_batch_size)
 
     def scored_keep(self) -> Tensor:
         """The structure an evaluation scores: what would ship, or the raw binarised mask."""
@@ -203,7 +290,7 @@ class PhaseA(CalibrationSteps, L.LightningModule):
         self._gates = self._keep.to(self.device, self.logits.dtype)
 
     def validation_step(self, batch, batch_idx) -> None:
-        with autocast_for(self.device, self.s.eval_precision):
+        with autocast_for(self.device, self.p.eval_precision):
             nll, n = self.stack.nll(batch.to(self.device), self._gates, self.overrides())
         self._nll += float(nll)
         self._count += n
@@ -257,12 +344,12 @@ class PhaseA(CalibrationSteps, L.LightningModule):
     def raw_keep(self) -> Tensor:
         """sigma(m) > tau; with the controller, its mask at the scheduled sparsity; with open
         gates, every neuron (the forward is the dense model)."""
-        logits, s = self.logits.detach().cpu(), self.s
-        if s.open_gates:
+        logits, s, p = self.logits.detach().cpu(), self.s, self.p
+        if p.open_gates:
             return torch.ones(logits.shape, dtype=torch.bool)
-        if not s.controller:
+        if not p.controller:
             return masks.alive(logits, s.tau)
-        at = masks.target_at(self.global_step, s.steps, s.target_sparsity, s.ramp)
+        at = masks.target_at(self.global_step, p.steps, s.target_sparsity, p.ramp)
         return self.rule().at(logits, at)
 
     def rule(self) -> ShipRule:

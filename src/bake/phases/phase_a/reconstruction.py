@@ -16,18 +16,29 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from bake.phases.phase_a import flap
+from bake.phases.phase_a import baseline, flap
+from bake.phases.phase_a.method import Method, nothing_unread, register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
     from bake.phases.context import RunContext
     from bake.phases.phase_a.results import PhaseAResult
 
-LABEL = flap.LABEL
-# the phase_a keys it reads: FLAP's (the widths and the fall-back)
-READS = flap.READS
-
 
 def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     """FLAP's structure: the widths; least squares chooses the neurons."""
     return flap.run(ctx, on_evaluation)
+
+
+METHOD = register(
+    Method(
+        name="reconstruction",
+        label=flap.LABEL,
+        run=run,
+        reads=baseline.READS,  # FLAP's: the widths and the fall-back
+        trains=False,
+        least_squares_chooses=True,
+        params=None,
+        unread=nothing_unread,
+    )
+)

@@ -37,7 +37,8 @@ PHASE_A_CODE = (
     "bake.phases.structure",
     "bake.phases.settings",
     "bake.phases.context",  # the held-out evaluation
-    "bake.phases.phase_a",  # the method registry
+    "bake.phases.phase_a",  # the built-in methods
+    "bake.phases.phase_a.method",  # the method registry
     "bake.models.stack",
     "bake.phases.common",
     "bake.phases.phase_a.scores",
@@ -57,7 +58,7 @@ PHASE_A_CODE = (
 def target_in_key(settings: Settings) -> bool:
     """Whether Phase A's result depends on the target (else a target sweep trains it once)."""
     a = settings.phase_a
-    return a.controller or a.ship is not None
+    return a.ship is not None or bool(a.params is not None and a.params.uses_target)
 
 
 def keys(settings: Settings, model: LoadedModel, corpus: Corpus) -> Keys:
@@ -127,7 +128,7 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> tuple[PhaseAResult, Sel
     """Phase A's result (trained, cached or a training-free score) and the evaluation selected
     from it."""
     a = ctx.settings.phase_a
-    method = phase_a.method(a.method)
+    method = phase_a.get(a.method)
     if not a.trains:
         result = method.run(ctx, on_evaluation)
     else:

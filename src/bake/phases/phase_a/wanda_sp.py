@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bake.phases.phase_a import baseline, scores
+from bake.phases.phase_a.method import Method, nothing_unread, register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
@@ -14,10 +15,22 @@ if TYPE_CHECKING:
     from bake.phases.phase_a.results import PhaseAResult
 
 LABEL = "Wanda-sp"
-# the phase_a keys Wanda-sp reads (shared_visits on a looped model only)
-READS = ("method", "target_sparsity", "shared_visits", "eval_precision")
 
 
 def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     """Wanda-sp's scores at the target, as mask logits (one evaluation)."""
     return baseline.run(ctx, LABEL, scores.wanda, scores.wanda_logits)
+
+
+METHOD = register(
+    Method(
+        name="wanda_sp",
+        label=LABEL,
+        run=run,
+        reads=baseline.READS,
+        trains=False,
+        least_squares_chooses=False,
+        params=None,
+        unread=nothing_unread,
+    )
+)

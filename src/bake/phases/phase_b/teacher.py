@@ -57,6 +57,7 @@ TEACHER_CODE = (
     "bake.phases.phase_b.adafactor",
     "bake.phases.phase_b.repaired",
     "bake.phases.settings",
+    "bake.phases.phase_a.method",  # settings read the Phase A method registry
     "bake.phases.common",
     "bake.phases.masks",
     "bake.phases.structure",

@@ -59,8 +59,8 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     # B continues on the chunks after them: the FFN never sees a chunk twice within one pass
     # over the calibration set, as one run of both phases' steps would.
     calib = ctx.corpus.calib
-    if start.ffn and a.trains and a.train_ffn:
-        calib = calib.roll(-(a.steps % max(1, calib.shape[0])), dims=0)
+    if start.ffn and a.trains and a.params.train_ffn:
+        calib = calib.roll(-(a.params.steps % max(1, calib.shape[0])), dims=0)
 
     def build(s: PhaseBSettings, report: OnEvaluation | None = None) -> PhaseB:
         return PhaseB(
