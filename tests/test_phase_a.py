@@ -335,7 +335,7 @@ DOWN_NORM = '''"""A Phase A method of another package: keep each layer's neurons
 import torch
 
 from bake.phases.phase_a import baseline, scores
-from bake.phases.phase_a.method import Method, nothing_unread, register
+from bake.phases.phase_a.method import Method, no_rules, nothing_unread, register
 
 
 def score(stack, stats):
@@ -358,6 +358,7 @@ METHOD = register(
         least_squares_chooses=False,
         params=None,
         unread=nothing_unread,
+        rules=no_rules,
     )
 )
 '''

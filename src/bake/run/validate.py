@@ -227,30 +227,15 @@ def _shape(cfg, meta: ModelMeta, problems: list[str]) -> None:
     if meta.loops < 1:
         problems.append(f"model.loops={meta.loops}: must be >= 1")
     _target(cfg, meta, problems)
-    _reconstruction(cfg, meta, problems)
+    _method(cfg, meta, problems)
     _gguf(cfg, meta, problems)
 
 
-def _reconstruction(cfg, meta: ModelMeta, problems: list[str]) -> None:
-    """phase_a=reconstruction chooses the neurons in the least-squares pass, at the widths that
-    ship, one structure per physical layer."""
-
+def _method(cfg, meta: ModelMeta, problems: list[str]) -> None:
+    """What the composed Phase A method needs of the other groups (its own rules)."""
     name = str(cfg.phase_a.method)
-    if name not in methods.names() or not methods.get(name).least_squares_chooses:
-        return
-    why = "phase_a.method=reconstruction chooses the neurons in the least-squares repair"
-    if not cfg.phase_b.least_squares:
-        problems.append(f"phase_b.least_squares=false: {why}: set it to true, or use phase_a=flap")
-    if not cfg.export.align_before_repair:
-        problems.append(
-            f"export.align_before_repair=false: {why}, at the aligned widths that ship: set it "
-            f"to true, or use phase_a=flap"
-        )
-    if meta.loops > 1:
-        problems.append(
-            f"model.loops={meta.loops}: {why}, one structure per layer, and this model's visits "
-            f"share each layer's down_proj: use phase_a=flap on a looped model"
-        )
+    if name in methods.names():
+        problems.extend(methods.get(name).rules(cfg, meta.loops))
 
 
 def _target(cfg, meta: ModelMeta, problems: list[str]) -> None:

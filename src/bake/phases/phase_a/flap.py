@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bake.phases.phase_a import baseline, scores
-from bake.phases.phase_a.method import Method, nothing_unread, register
+from bake.phases.phase_a.method import Method, no_rules, nothing_unread, register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
@@ -34,5 +34,6 @@ METHOD = register(
         least_squares_chooses=False,
         params=None,
         unread=nothing_unread,
+        rules=no_rules,
     )
 )

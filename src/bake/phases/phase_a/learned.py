@@ -18,7 +18,7 @@ from bake.phases import masks
 from bake.phases.common import Identity, best_state, fit, make_trainer, resume_point
 from bake.phases.phase_a import baseline, scores
 from bake.phases.phase_a.mask import LearnedParams, PhaseA, eval_every_note
-from bake.phases.phase_a.method import Method, register
+from bake.phases.phase_a.method import Method, no_rules, register
 from bake.phases.phase_a.results import PhaseAResult
 
 if TYPE_CHECKING:
@@ -147,5 +147,6 @@ METHOD = register(
         least_squares_chooses=False,
         params=LearnedParams.of,
         unread=unread,
+        rules=no_rules,
     )
 )

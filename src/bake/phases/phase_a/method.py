@@ -57,6 +57,8 @@ class Method:
     params: Callable[[Any, str, int], Params] | None
     # phase_a section -> the keys it does not read with its other settings, and why
     unread: Callable[[Any], dict[str, str]]
+    # (the composed config, the model's loops) -> what it needs of other groups, one line each
+    rules: Callable[[Any, int], list[str]]
 
     def params_of(self, a, precision: str = "fp32", eval_batch: int = 1) -> Params | None:
         """Its parameters from the ``phase_a`` section ``a`` (ConfigError: values out of
@@ -75,6 +77,11 @@ class Method:
 def nothing_unread(a) -> dict[str, str]:
     """A method that reads every key it lists, whatever their values."""
     return {}
+
+
+def no_rules(cfg, loops: int) -> list[str]:
+    """A method that works with any setting of the other groups."""
+    return []
 
 
 _METHODS: dict[str, Method] = {}

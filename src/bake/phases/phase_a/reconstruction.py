@@ -25,6 +25,27 @@ if TYPE_CHECKING:
     from bake.phases.phase_a.results import PhaseAResult
 
 
+def rules(cfg, loops: int) -> list[str]:
+    """It chooses the neurons in the least-squares pass, at the widths that ship, one structure
+    per physical layer: least squares on, the structure aligned before the repairs, a model
+    that does not loop."""
+    why = "phase_a.method=reconstruction chooses the neurons in the least-squares repair"
+    problems = []
+    if not cfg.phase_b.least_squares:
+        problems.append(f"phase_b.least_squares=false: {why}: set it to true, or use phase_a=flap")
+    if not cfg.export.align_before_repair:
+        problems.append(
+            f"export.align_before_repair=false: {why}, at the aligned widths that ship: set it "
+            f"to true, or use phase_a=flap"
+        )
+    if loops > 1:
+        problems.append(
+            f"model.loops={loops}: {why}, one structure per layer, and this model's visits "
+            f"share each layer's down_proj: use phase_a=flap on a looped model"
+        )
+    return problems
+
+
 def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     """FLAP's structure: the widths; least squares chooses the neurons."""
     return flap.run(ctx, on_evaluation)
@@ -40,5 +61,6 @@ METHOD = register(
         least_squares_chooses=True,
         params=None,
         unread=nothing_unread,
+        rules=rules,
     )
 )
