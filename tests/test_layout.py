@@ -5,6 +5,8 @@ registry that switches on a family's name (docs/development.md)."""
 from __future__ import annotations
 
 import ast
+import importlib
+import re
 from pathlib import Path
 
 from conftest import REPO
@@ -323,3 +325,70 @@ def test_one_module_decides_what_ships():
     }
     for path in sorted((SRC / "export").rglob("*.py")):
         assert _calls(ast.parse(path.read_text()), {"held_ppl", *deciders}) == [], path
+
+
+DEVELOPMENT = REPO / "docs" / "development.md"
+GROUPS = ("model", "task", "corpus", "phase_a", "phase_b", "export", "tracking", "trainer", "paths")
+
+
+def _named_in(text: str) -> tuple[set[str], set[str], set[str]]:
+    """What a document names in backticks: file and folder paths, setting names (``key`` or
+    ``key=value``) and dotted ``bake`` modules."""
+    ticks = re.findall(r"`([^`\n]+)`", text)
+    paths = {t for t in ticks if re.fullmatch(r"[\w./-]+(\.py|\.yaml|/)", t)}
+    pattern = rf"({'|'.join(GROUPS)})\.[a-z_]+(=\S*)?"
+    settings = {t.split("=")[0] for t in ticks if re.fullmatch(pattern, t) and t not in paths}
+    dotted = {t for t in ticks if re.fullmatch(r"bake(\.\w+)+", t)}
+    return paths, settings, dotted
+
+
+def _path_exists(name: str) -> bool:
+    bases = (REPO, ROOT, SRC, REPO / "tests", REPO / "conf")
+    if any((base / name).exists() for base in bases):
+        return True
+    if "/" not in name.rstrip("/"):  # a bare file name, in the row of its package
+        return any(ROOT.rglob(name)) or any((REPO / "conf").rglob(name))
+    return False
+
+
+def _importable(dotted: str) -> bool:
+    parts = dotted.split(".")
+    for i in range(len(parts), 0, -1):
+        try:
+            obj = importlib.import_module(".".join(parts[:i]))
+        except ImportError:
+            continue
+        for attr in parts[i:]:
+            if not hasattr(obj, attr):
+                return False
+            obj = getattr(obj, attr)
+        return True
+    return False
+
+
+def test_every_path_setting_and_module_docs_development_names_exists():
+    """The developers' guide cannot drift silently: each file, folder, setting and module it
+    names in backticks exists."""
+    from conftest import compose
+    from omegaconf import OmegaConf
+
+    from bake.phases.phase_a.method import ENTRY_POINTS
+
+    paths, settings, dotted = _named_in(DEVELOPMENT.read_text())
+    assert {"phases/ship.py", "run/validate.py"} <= paths and "phase_a.method" in settings
+    cfg = compose([])
+    missing = object()
+    assert [p for p in sorted(paths) if not _path_exists(p)] == []
+    assert [
+        k for k in sorted(settings) if OmegaConf.select(cfg, k, default=missing) is missing
+    ] == []
+    groups = {ENTRY_POINTS}  # an entry point group, not a module
+    assert [d for d in sorted(dotted - groups) if not _importable(d)] == []
+
+
+def test_the_drift_check_finds_what_does_not_exist():
+    paths, settings, dotted = _named_in(
+        "`phases/nowhere.py`, `phase_a.nothing=3`, `bake.phases.nowhere`, `run/job.py`"
+    )
+    assert [p for p in paths if not _path_exists(p)] == ["phases/nowhere.py"]
+    assert settings == {"phase_a.nothing"} and not _importable("bake.phases.nowhere")
