@@ -90,3 +90,52 @@ def test_a_failing_phase_finishes_its_bar_so_the_next_line_starts_below_it():
     callback.on_exception(None, None, RuntimeError("the loss became nan"))
     assert callback._train_progress_bar not in tqdm._instances
     assert screen.getvalue().endswith("\n")  # the bar's row is finished
+
+
+def _progress_lines(caplog, logger: str) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.name == logger]
+
+
+def test_a_long_stage_logs_its_progress_at_even_steps_without_a_terminal(monkeypatch, caplog):
+    monkeypatch.setattr(console, "interactive", lambda: False)
+    log = logging.getLogger("bake.test_progress")
+    with caplog.at_level(logging.INFO, logger="bake.test_progress"):
+        with console.Progress("[LS] least squares", 30, "layers", log) as progress:
+            for _ in range(30):
+                progress.advance()
+    lines = _progress_lines(caplog, "bake.test_progress")
+    assert [line.split(" (")[0] for line in lines] == [
+        f"[LS] least squares: {k} of 30 layers" for k in (5, 10, 15, 20, 25, 30)
+    ]
+
+
+def test_on_a_terminal_the_progress_is_a_bar_not_log_lines(monkeypatch, caplog):
+    monkeypatch.setattr(console, "interactive", lambda: True)
+    log = logging.getLogger("bake.test_progress")
+    with caplog.at_level(logging.INFO, logger="bake.test_progress"):
+        with console.Progress("stats", 4, "batches", log) as progress:
+            assert progress.bar is not None
+            for _ in range(4):
+                progress.advance()
+            assert progress.bar.n == 4
+    assert _progress_lines(caplog, "bake.test_progress") == []
+
+
+def test_least_squares_and_the_activation_statistics_show_their_progress(monkeypatch, caplog):
+    import torch
+    from test_phase_a import tiny
+
+    from bake.phases.phase_a.scores import activation_stats
+    from bake.phases.phase_b.least_squares import least_squares
+
+    monkeypatch.setattr(console, "interactive", lambda: False)
+    stack = tiny()
+    calib = torch.randint(0, 256, (8, 16), generator=torch.Generator().manual_seed(0))
+    keep = torch.rand(stack.num_virtual, stack.inter, generator=torch.Generator().manual_seed(1))
+    keep = keep > 0.3
+    with caplog.at_level(logging.INFO, logger="bake"):
+        activation_stats(stack, calib)
+        least_squares(stack, calib, keep.clone(), keep.clone())
+    lines = [line.split(" (")[0] for line in _progress_lines(caplog, "bake")]
+    assert lines[-1] == f"[LS] least squares: {stack.num_virtual} of {stack.num_virtual} layers"
+    assert "[A] activation statistics: 2 of 2 batches" in lines

@@ -16,6 +16,7 @@ import os
 import signal
 import sys
 import threading
+import time
 import warnings
 
 from tqdm import tqdm
@@ -158,3 +159,37 @@ def allow_interrupts() -> None:
     if _INTERRUPTED:
         _INTERRUPTED.clear()
         raise KeyboardInterrupt
+
+
+class Progress:
+    """A long stage's progress (least squares' layers, the activation statistics' batches): a
+    bar on a terminal, otherwise a log line at each of about ``lines`` even steps, so a user
+    sees a stage of several minutes move in a log file too."""
+
+    def __init__(self, what: str, total: int, unit: str, log: logging.Logger, lines: int = 6):
+        self.what, self.total, self.unit, self.log = what, max(0, total), unit, log
+        self.every = max(1, -(-self.total // max(1, lines)))  # ceil(total / lines)
+        self.done, self.t0 = 0, time.perf_counter()
+        self.bar = (
+            tqdm(total=self.total, desc=what, unit=unit, leave=False, dynamic_ncols=True)
+            if interactive() and self.total
+            else None
+        )
+
+    def __enter__(self) -> Progress:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.bar is not None:
+            self.bar.close()
+
+    def advance(self, n: int = 1) -> None:
+        """``n`` more of its units done."""
+        before, self.done = self.done, self.done + n
+        if self.bar is not None:
+            self.bar.update(n)
+        elif self.done == self.total or self.done // self.every > before // self.every:
+            seconds = time.perf_counter() - self.t0
+            self.log.info(
+                "%s: %d of %d %s (%.0f s)", self.what, self.done, self.total, self.unit, seconds
+            )

@@ -20,6 +20,7 @@ logits.
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -30,9 +31,12 @@ from torch import Tensor
 from bake.models.stack import Stack
 from bake.storage import cache
 from bake.storage.files import atomic_write
+from bake.tracking.console import Progress
 
 if TYPE_CHECKING:
     from bake.phases.context import RunContext
+
+log = logging.getLogger("bake")
 
 
 @dataclass
@@ -55,8 +59,11 @@ def activation_stats(stack: Stack, calib: Tensor, batch: int = 4) -> ActivationS
         total[v] += a.sum(dim=(0, 1)).cpu()
         squares[v] += a.pow(2).sum(dim=(0, 1)).cpu()
 
-    for i in range(0, calib.shape[0], batch):
-        stack.hidden(calib[i : i + batch].to(stack.device), observe=observe)
+    starts = range(0, calib.shape[0], batch)
+    with Progress("[A] activation statistics", len(starts), "batches", log) as progress:
+        for i in starts:
+            stack.hidden(calib[i : i + batch].to(stack.device), observe=observe)
+            progress.advance()
     return ActivationStats(total, squares, int(calib.numel()))
 
 

@@ -49,6 +49,7 @@ from bake.phases.structure import compute_keep
 from bake.ranks import rank_name
 from bake.storage.cache import digest
 from bake.storage.files import atomic_write
+from bake.tracking.console import Progress
 
 if TYPE_CHECKING:
     from bake.phases.context import RunContext
@@ -181,47 +182,49 @@ def least_squares(
     part = h.new_empty(inter, inter)
     part_x = h.new_empty(stack.hidden_size, inter) if stream else None
     last = stack.num_virtual - 1
-    for v in range(stack.num_virtual):
-        li = v % stack.num_layers
-        wg, wu, wd = base[li] if base is not None and li in base else stack.ffn_weights(li)
-        gate = visits[v].to(device, h.dtype)
-        gram = torch.zeros(inter, inter, dtype=torch.float64, device=device)
-        cross = torch.zeros(stack.hidden_size, inter, dtype=torch.float64, device=device)
-        for i in range(0, n, batch):
-            x = stack.attend(li, h[i : i + batch], ropes, amasks)
-            h[i : i + batch] = x
-            a = stack.activations(stack.ffn_input(li, x), wg, wu)
-            a2 = a.reshape(-1, inter)
-            gram += torch.mm(a2.T, a2, out=part)
-            if h_o is not None:  # the drift part of the target; W a's part is W G below
-                x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
-                y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
-                h_o[i : i + batch] = x_o + y_o
-                off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
-                cross += torch.mm(off.T, a2, out=part_x)
-        cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
-        if select:
-            chosen = choose(gram, cross, int(visits[v].sum()), ridge).cpu()
-            visits[v] = physical[li] = False
-            visits[v, chosen] = physical[li, chosen] = True
+    with Progress("[LS] least squares", stack.num_virtual, "layers", log) as progress:
+        for v in range(stack.num_virtual):
+            li = v % stack.num_layers
+            wg, wu, wd = base[li] if base is not None and li in base else stack.ffn_weights(li)
             gate = visits[v].to(device, h.dtype)
-        if li not in normals:
-            normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
-        normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
-        del gram, cross
-        down = downs[li].zero_()
-        down[:, normals[li].kept.to(device)] = normals[li].solve(ridge).to(device, wd.dtype)
-        if v + stack.num_layers > last:  # no later visit of this layer adds to its equations
-            del normals[li]
-        out[li] = (wg, wu, down)
-        for i in range(0, n, batch):
-            x = h[i : i + batch]
-            a = stack.activations(stack.ffn_input(li, x), wg, wu).mul_(gate)
-            h[i : i + batch] = x + stack.ffn_output(li, F.linear(a, down))
-        if stack.loop_norm and li == stack.num_layers - 1 and v < last:
-            h = stack.norm(h)
-            if h_o is not None:
-                h_o = stack.norm(h_o)
+            gram = torch.zeros(inter, inter, dtype=torch.float64, device=device)
+            cross = torch.zeros(stack.hidden_size, inter, dtype=torch.float64, device=device)
+            for i in range(0, n, batch):
+                x = stack.attend(li, h[i : i + batch], ropes, amasks)
+                h[i : i + batch] = x
+                a = stack.activations(stack.ffn_input(li, x), wg, wu)
+                a2 = a.reshape(-1, inter)
+                gram += torch.mm(a2.T, a2, out=part)
+                if h_o is not None:  # the drift part of the target; W a's part is W G below
+                    x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
+                    y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
+                    h_o[i : i + batch] = x_o + y_o
+                    off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
+                    cross += torch.mm(off.T, a2, out=part_x)
+            cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
+            if select:
+                chosen = choose(gram, cross, int(visits[v].sum()), ridge).cpu()
+                visits[v] = physical[li] = False
+                visits[v, chosen] = physical[li, chosen] = True
+                gate = visits[v].to(device, h.dtype)
+            if li not in normals:
+                normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
+            normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
+            del gram, cross
+            down = downs[li].zero_()
+            down[:, normals[li].kept.to(device)] = normals[li].solve(ridge).to(device, wd.dtype)
+            if v + stack.num_layers > last:  # no later visit of this layer adds to its equations
+                del normals[li]
+            out[li] = (wg, wu, down)
+            for i in range(0, n, batch):
+                x = h[i : i + batch]
+                a = stack.activations(stack.ffn_input(li, x), wg, wu).mul_(gate)
+                h[i : i + batch] = x + stack.ffn_output(li, F.linear(a, down))
+            if stack.loop_norm and li == stack.num_layers - 1 and v < last:
+                h = stack.norm(h)
+                if h_o is not None:
+                    h_o = stack.norm(h_o)
+            progress.advance()
     return out
 
 
