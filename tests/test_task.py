@@ -365,3 +365,12 @@ def test_evaluate_completes_a_gguf_file_in_llama_cpp(tmp_path, capsys):
     rows = [json.loads(r) for r in results.read_text().splitlines()]
     assert len(rows) == 2 and all(not any(s in r["completion"] for s in STOPS) for r in rows)
     assert any(r["completion"].strip() for r in rows)  # llama.cpp wrote something
+
+
+def test_evaluate_prints_its_usage_on_help_and_refuses_no_target(capsys):
+    from bake.task.evaluate import main
+
+    assert main(["--help"]) == 0
+    assert capsys.readouterr().out.startswith("usage: python -m bake.evaluate TARGET")
+    assert main([]) == 2
+    assert "usage: python -m bake.evaluate" in capsys.readouterr().err

@@ -170,6 +170,9 @@ def _write(file: Path, result: Score, what: dict) -> None:
 
 def main(argv: list[str] | None = None) -> int:
     args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] in ("-h", "--help"):
+        print(USAGE)
+        return 0
     targets = [a for a in args if "=" not in a]
     if len(targets) != 1 or args[0] != targets[0]:
         print(USAGE, file=sys.stderr)
