@@ -255,3 +255,23 @@ def test_an_experiment_made_before_opens_in_the_model_training_view(tmp_path):
     tcfg = OmegaConf.create({"experiment": "bake", "artifact_location": None})
     assert experiment_id(c, tcfg) == made
     assert c.get_experiment(made).tags["mlflow.experimentKind"] == "custom_model_development"
+
+
+@pytest.mark.bake
+@pytest.mark.mlflow
+def test_ctrl_c_during_a_sweep_ends_its_parent_run_killed_at_once(tmp_path, docs_dir):
+    """The interrupted sweep's parent run is closed KILLED by the command line's interrupt
+    (bake.tracking.console.interrupted), not left RUNNING until the process exits."""
+    from bake.tracking import console
+
+    args = tiny_args(tmp_path, docs_dir)
+    assert run_bake(["-m", *args, interrupt("a", 4), "phase_a.lr=0.3,0.4"]) == 130
+    assert console._ON_INTERRUPT == []  # nothing left for a later command in this process
+    c = client(tmp_path)
+    parents = [
+        r
+        for e in c.search_experiments()
+        for r in c.search_runs([e.experiment_id])
+        if "bake.sweep_dir" in r.data.tags
+    ]
+    assert [p.info.status for p in parents] == ["KILLED"]

@@ -29,7 +29,6 @@ from bake.config.schema import BakeConf
 from bake.errors import BakeError
 from bake.sweeps.directory import LAUNCHED, continue_command, relaunch, release_launched
 from bake.tracking import console
-from bake.tracking.sweep import interrupted
 
 CONF_DIR = str(conf_dir())  # the wheel's bake/conf, or the checkout's conf/
 
@@ -155,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
         from bake.sweeps.launchers import stop_local_jobs  # lazy: torch
 
         stop_local_jobs()  # no job of the sweep runs on once it says "interrupted"
-        interrupted()  # the sweep's parent run: its summary so far, KILLED
+        console.interrupted()  # the sweep's parent run: its summary so far, KILLED
 
         hint = f"; continue the sweep with: {continue_command(LAUNCHED[0])}" if LAUNCHED else ""
         print(f"bake: interrupted{hint}", file=sys.stderr)

@@ -18,8 +18,7 @@ import sys
 import threading
 import time
 import warnings
-
-from tqdm import tqdm
+from collections.abc import Callable
 
 # Warnings of the libraries that a bake's user cannot act on (bake's own settings cause them).
 QUIET_WARNINGS = (
@@ -45,6 +44,8 @@ class BarSafeStream:
 
     def write(self, text: str) -> int:
 
+        from tqdm import tqdm  # lazy: tqdm
+
         with tqdm.get_lock():
             bars = [b for b in list(tqdm._instances) if not b.disable and hasattr(b, "start_t")]
             for bar in bars:
@@ -63,6 +64,28 @@ class BarSafeStream:
 
     def __getattr__(self, name):
         return getattr(self.stream, name)
+
+
+# What a run cut short must still do before the process exits (a sweep's parent run: its
+# summary so far, KILLED; bake.tracking.sweep registers it)
+_ON_INTERRUPT: list[Callable[[], None]] = []
+
+
+def on_interrupt(hook: Callable[[], None]) -> None:
+    """Call ``hook`` when the command line is interrupted (:func:`interrupted`)."""
+    _ON_INTERRUPT.append(hook)
+
+
+def forget_interrupt(hook: Callable[[], None]) -> None:
+    if hook in _ON_INTERRUPT:
+        _ON_INTERRUPT.remove(hook)
+
+
+def interrupted() -> None:
+    """The command line was interrupted (Ctrl-C, SIGTERM): every registered hook, once."""
+    for hook in list(_ON_INTERRUPT):
+        forget_interrupt(hook)
+        hook()
 
 
 def interactive() -> bool:
@@ -170,11 +193,11 @@ class Progress:
         self.what, self.total, self.unit, self.log = what, max(0, total), unit, log
         self.every = max(1, -(-self.total // max(1, lines)))  # ceil(total / lines)
         self.done, self.t0 = 0, time.perf_counter()
-        self.bar = (
-            tqdm(total=self.total, desc=what, unit=unit, leave=False, dynamic_ncols=True)
-            if interactive() and self.total
-            else None
-        )
+        self.bar = None
+        if interactive() and self.total:
+            from tqdm import tqdm  # lazy: tqdm
+
+            self.bar = tqdm(total=self.total, desc=what, unit=unit, leave=False, dynamic_ncols=True)
 
     def __enter__(self) -> Progress:
         return self

@@ -19,6 +19,7 @@ from omegaconf import OmegaConf
 
 from bake.config.schema import resolved
 from bake.storage.record import params_of
+from bake.tracking import console
 from bake.tracking.compare import (
     child_runs,
     format_table,
@@ -48,7 +49,6 @@ log = logging.getLogger("bake.sweep")
 PARENT_FILE = "mlflow_parent.json"
 SEARCH = "bake_sweeps.BakeSearch"  # hydra.sweeper._target_ of an Optuna search
 SEARCH_PLOT = "search_ppl_by_trial.png"
-_ACTIVE: list[SweepCallback] = []  # the sweeps of this process whose parent is still open
 # The best child's metrics, copied onto the parent so its row in the runs table is filled.
 BEST_METRICS = (
     "final/exported_ppl",
@@ -113,13 +113,6 @@ def sweep_params(config, lines: list[str], swept: list[str]) -> dict[str, object
     return params
 
 
-def interrupted() -> None:
-    """A sweep cut short (Ctrl-C, SIGTERM): its parent run gets the summary so far and ends
-    KILLED now, not only when the process exits (bake.cli)."""
-    for callback in list(_ACTIVE):
-        callback._finish("KILLED")
-
-
 class SweepCallback(Callback):
     """Hydra callback: a parent MLflow run per multirun, and its summary at the end."""
 
@@ -146,7 +139,7 @@ class SweepCallback(Callback):
         if earlier is not None:  # the sweep continues (bake.sweeps.directory): its parent too
             client.update_run(earlier, status="RUNNING")
             self._parent = earlier
-            _ACTIVE.append(self)
+            console.on_interrupt(self._killed)
             atexit.register(self._finish, "KILLED")
             return
         name = run_name(model_label(config), lines, self._swept, prefix="sweep")
@@ -161,7 +154,7 @@ class SweepCallback(Callback):
             },
         )
         self._parent = run.info.run_id
-        _ACTIVE.append(self)
+        console.on_interrupt(self._killed)
         Tracker(client, self._parent).params(sweep_params(config, lines, self._swept))
         self._sweep_dir.mkdir(parents=True, exist_ok=True)
         (self._sweep_dir / PARENT_FILE).write_text(json.dumps({"run_id": self._parent}))
@@ -170,9 +163,13 @@ class SweepCallback(Callback):
     def on_multirun_end(self, config, **kwargs) -> None:
         self._finish("FINISHED")
 
+    def _killed(self) -> None:
+        """Cut short (Ctrl-C, SIGTERM): the parent run gets the summary so far and ends KILLED
+        now, not only when the process exits (:func:`bake.tracking.console.interrupted`)."""
+        self._finish("KILLED")
+
     def _finish(self, status: str) -> None:
-        if self in _ACTIVE:
-            _ACTIVE.remove(self)
+        console.forget_interrupt(self._killed)
         if self._parent is None:
             return
         assert self._client is not None and self._sweep_dir is not None  # set with the parent
