@@ -24,12 +24,12 @@ import torch  # noqa: E402
 
 from bake.corpus.splits import load_corpus  # noqa: E402
 from bake.export import model as export  # noqa: E402
-from bake.tracking.measure import PeakTracker  # noqa: E402
 from bake.models.loader import load_model  # noqa: E402
 from bake.models.stack import held_nll, perplexity  # noqa: E402
 from bake.phases import masks, structure  # noqa: E402
 from bake.phases.phase_a import scores  # noqa: E402
 from bake.phases.phase_b.least_squares import least_squares  # noqa: E402
+from bake.tracking.measure import PeakTracker  # noqa: E402
 from benchmarks.common import compose  # noqa: E402
 
 
