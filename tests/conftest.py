@@ -79,15 +79,30 @@ def compose(overrides: list[str] | None = None, hydra: bool = False):
 def schema_settings(*overrides: str, **changes):
     """The resolved settings of ``model=tiny`` with ``overrides`` (every other value the
     schema's default, the one source of defaults), with the phase sections' ``changes``:
-    ``phase_a={...}``, ``phase_b={...}`` (tests that drive a phase's module directly)."""
-    from dataclasses import replace
+    ``phase_a={...}``, ``phase_b={...}`` (tests that drive a phase's module directly). Phase A's
+    ``method`` is composed; its other changes go to the shared fields and, for the keys of the
+    method's own parameters (a learned mask's steps, lr, ...), to ``params``."""
+    from dataclasses import fields, replace
 
     from bake.models.sources import read_meta
     from bake.phases.settings import resolve
 
-    cfg = compose(["model=tiny", *overrides])
+    a = dict(changes.get("phase_a", {}))
+    method = [f"phase_a.method={a.pop('method')}"] if "method" in a else []
+    cfg = compose(["model=tiny", *overrides, *method])
     s = resolve(cfg, read_meta(cfg.model, cfg.paths.cache))
-    sections = {k: replace(getattr(s, k), **v) for k, v in changes.items()}
+    sections = {k: replace(getattr(s, k), **v) for k, v in changes.items() if k != "phase_a"}
+    if a:
+        shared = {f.name for f in fields(s.phase_a)}
+        params = s.phase_a.params
+        own = {f.name for f in fields(params)} if params is not None else set()
+        unknown = set(a) - shared - own
+        assert not unknown, f"not a Phase A setting of this method: {sorted(unknown)}"
+        if own & set(a):
+            params = replace(params, **{k: v for k, v in a.items() if k in own})
+        sections["phase_a"] = replace(
+            s.phase_a, params=params, **{k: v for k, v in a.items() if k in shared}
+        )
     return replace(s, **sections)
 
 

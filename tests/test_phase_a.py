@@ -173,7 +173,9 @@ def fit_phase_a(tmp_path, stack=None, **kw):
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
     seen = []
     module.training_step = _spy(module.training_step, module, seen)
-    trainer = make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select")
+    trainer = make_trainer(
+        tcfg(), tmp_path / "ckpt", s.params.steps, s.params.eval_every, "phase_a/select"
+    )
     trainer.fit(module)
     return module, seen
 
@@ -260,7 +262,9 @@ def test_best_checkpoint_is_the_selected_evaluation(tmp_path, target, script, wa
     init = torch.full((stack.num_virtual, stack.inter), 2.0)
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
     Scripted(module, script)
-    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select").fit(module)
+    make_trainer(
+        tcfg(), tmp_path / "ckpt", s.params.steps, s.params.eval_every, "phase_a/select"
+    ).fit(module)
     assert [round(e.held_ppl, 6) for e in module.evaluations] == [p for p, _ in script]
     assert [e.sparsity for e in module.evaluations] == pytest.approx(
         [sp for _, sp in script], abs=3e-3
@@ -288,7 +292,9 @@ def test_no_qualifying_evaluation_keeps_the_final_mask_as_the_reference_does(tmp
     init = torch.full((stack.num_virtual, stack.inter), 2.0)
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "h"))
     Scripted(module, [(10.0, 0.0), (9.0, 0.0), (9.5, 0.0)])
-    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select").fit(module)
+    make_trainer(
+        tcfg(), tmp_path / "ckpt", s.params.steps, s.params.eval_every, "phase_a/select"
+    ).fit(module)
     sel = PhaseAResult.from_module(module, 0.0).select(0.3)
     assert sel.index is None and torch.equal(sel.logits, module.logits.detach())
     assert "using the final mask" in sel.note
@@ -321,7 +327,9 @@ def test_controller_reaches_the_target_on_schedule(tmp_path, loops):
         return out
 
     module.gates = spy
-    make_trainer(tcfg(), tmp_path / "ckpt", s.steps, s.eval_every, "phase_a/select").fit(module)
+    make_trainer(
+        tcfg(), tmp_path / "ckpt", s.params.steps, s.params.eval_every, "phase_a/select"
+    ).fit(module)
     # 128 neurons per row, align 8: 0, 0.0625, 0.125, 0.1875 (ramp), then 0.25
     assert seen == pytest.approx([0.0, 0.0625, 0.125, 0.1875, 0.25, 0.25, 0.25, 0.25])
     assert all(e.sparsity == pytest.approx(0.25) for e in module.evaluations)

@@ -64,7 +64,9 @@ def test_phase_a_steps_equal_the_reference(tmp_path, loops, l1_init, l1_step):
         target_sparsity=0.0, eval_batch_size=3, method="learned", ship=None,
     )).phase_a  # fmt: skip
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "ref"))
-    make_trainer(tcfg(), tmp_path / "a", s.steps, s.eval_every, "phase_a/select").fit(module)
+    make_trainer(tcfg(), tmp_path / "a", s.params.steps, s.params.eval_every, "phase_a/select").fit(
+        module
+    )
     want = phase_a(reference_of(stack), calib, init.clone(), 5, 0.1, l1_init, l1_step, 2)
     torch.testing.assert_close(module.logits.detach(), want, rtol=0, atol=1e-6)
     assert (want - m0).abs().max() > 0.2  # the steps moved the mask
@@ -137,7 +139,9 @@ def test_phase_a_training_the_ffn_with_the_mask_equals_the_reference(tmp_path, l
         ramp=0.5, ship=rule, train_ffn=True, ffn_lr=1e-2, method="learned",
     )).phase_a  # fmt: skip
     module = PhaseA(stack, calib, held, s, init, Identity("tiny", "ref"))
-    make_trainer(tcfg(), tmp_path / "a", s.steps, s.eval_every, "phase_a/select").fit(module)
+    make_trainer(tcfg(), tmp_path / "a", s.params.steps, s.params.eval_every, "phase_a/select").fit(
+        module
+    )
     ref = reference_of(stack)
     logits, ffn = joint_phase_a(ref, calib, init.clone(), 6, 0.05, 1e-2, 0.3, 0.5, (0.5, 1.0), 2)
     torch.testing.assert_close(module.logits.detach(), logits, rtol=0, atol=1e-6)

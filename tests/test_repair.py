@@ -9,7 +9,7 @@ import torch.nn.functional as F
 from reference_recipe import TinyLlama
 from test_phase_a import tiny
 
-from bake.phases import structure
+from bake.phases import ship, structure
 from bake.phases.phase_b import least_squares as repair
 
 pytestmark = pytest.mark.slow  # seconds per case: the repair and its reference, layer by layer
@@ -139,11 +139,9 @@ def test_least_squares_in_place_ships_its_solution_or_the_backbone(
     from conftest import last_run, report, run_bake, tiny_args
     from safetensors.torch import load_file
 
-    from bake.phases.phase_b import least_squares
-
     base = ["phase_a=flap", "phase_b.enabled=false", "tracking.enabled=false"]
     choose = structure.select_repair if kept else (lambda ppls, baseline: None)
-    monkeypatch.setattr(least_squares, "select_repair", choose)  # the stage's keep-or-not
+    monkeypatch.setattr(ship, "select_repair", choose)  # the owner's keep-or-not
     assert run_bake(tiny_args(tmp_path / "ls", docs_dir, *base, "phase_b.least_squares=true")) == 0
     run = last_run(tmp_path / "ls")
     assert report(run)["least_squares"]["improved"] is kept
@@ -225,11 +223,9 @@ def test_reconstruction_ships_the_neurons_least_squares_chose_or_flaps(
     from conftest import last_run, report, run_bake, tiny_args
     from safetensors.torch import load_file
 
-    from bake.phases.phase_b import least_squares
-
     base = ["phase_b.enabled=false", "tracking.enabled=false"]
     choose = structure.select_repair if kept else (lambda ppls, baseline: None)
-    monkeypatch.setattr(least_squares, "select_repair", choose)  # the stage's keep-or-not
+    monkeypatch.setattr(ship, "select_repair", choose)  # the owner's keep-or-not
     args = tiny_args(tmp_path / "rec", docs_dir, "phase_a=reconstruction", *base)
     assert run_bake(args) == 0
     flap = [*base, "phase_a=flap", "phase_b.least_squares=false"]
