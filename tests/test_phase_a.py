@@ -418,3 +418,18 @@ def test_a_phase_a_method_of_another_package_registers_and_bakes(tmp_path, docs_
         top = torch.topk(norms, int(keep[li].sum())).indices
         assert set(top.tolist()) == set(keep[li].nonzero().flatten().tolist())
     assert keep.sum() < keep.numel()  # it pruned
+
+
+def test_a_second_method_under_a_registered_name_is_refused_naming_both():
+    from dataclasses import replace
+
+    from bake.phases.phase_a import flap
+    from bake.phases.phase_a import method as registry
+
+    def run(ctx, on_evaluation):  # another module's method, named "flap"
+        raise AssertionError("never runs")
+
+    with pytest.raises(ValueError, match="registered by bake.phases.phase_a.flap and by test_"):
+        registry.register(replace(flap.METHOD, run=run))
+    assert registry.get("flap") is flap.METHOD
+    assert registry.register(flap.METHOD) is flap.METHOD  # its own module again: the same one

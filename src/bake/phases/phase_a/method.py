@@ -91,8 +91,11 @@ _LOADED: list[bool] = []
 def register(method: Method) -> Method:
     """Make ``method`` choosable as ``phase_a.method=<its name>``; returns it."""
     known = _METHODS.get(method.name)
-    if known is not None and known is not method and known.run is not method.run:
-        raise ValueError(f"phase_a.method={method.name} is registered twice")
+    if known is not None and known.run.__module__ != method.run.__module__:
+        raise ValueError(
+            f"phase_a.method={method.name} is registered by {known.run.__module__} and by "
+            f"{method.run.__module__}: give one of them another name"
+        )
     _METHODS[method.name] = method
     return method
 
