@@ -343,7 +343,7 @@ DOWN_NORM = '''"""A Phase A method of another package: keep each layer's neurons
 import torch
 
 from bake.phases.phase_a import baseline, scores
-from bake.phases.phase_a.method import Method, no_rules, nothing_unread, register
+from bake.phases.phase_a.method import register
 
 
 def score(stack, stats):
@@ -356,19 +356,7 @@ def run(ctx, on_evaluation):
     return baseline.run(ctx, "down norm", score, scores.wanda_logits)
 
 
-METHOD = register(
-    Method(
-        name="down_norm",
-        label="down norm",
-        run=run,
-        reads=baseline.READS,
-        trains=False,
-        least_squares_chooses=False,
-        params=None,
-        unread=nothing_unread,
-        rules=no_rules,
-    )
-)
+METHOD = register(baseline.method("down_norm", "down norm", run))
 '''
 
 DOWN_NORM_YAML = """# A method of another package: python -m bake phase_a=down_norm

@@ -8,13 +8,14 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from torch import Tensor
 
 from bake.models.stack import Stack
 from bake.phases import masks
 from bake.phases.phase_a import scores
+from bake.phases.phase_a.method import Method, no_rules, nothing_unread
 from bake.phases.phase_a.results import PhaseAResult
 
 if TYPE_CHECKING:
@@ -32,6 +33,28 @@ READS = {
 }
 Score = Callable[[Stack, scores.ActivationStats], Tensor]  # [num_virtual, inter]
 Logits = Callable[[Tensor, float], Tensor]  # (scores, target) -> mask logits
+
+
+def method(
+    name: str,
+    label: str,
+    run: Callable[..., PhaseAResult],
+    least_squares_chooses: bool = False,
+    rules: Callable[[Any, int], list[str]] = no_rules,
+) -> Method:
+    """A training-free method: it reads :data:`READS`, has no parameters of its own and does
+    not train."""
+    return Method(
+        name=name,
+        label=label,
+        run=run,
+        reads=READS,
+        trains=False,
+        least_squares_chooses=least_squares_chooses,
+        params=None,
+        unread=nothing_unread,
+        rules=rules,
+    )
 
 
 def run(ctx: RunContext, label: str, score: Score, logits_of: Logits) -> PhaseAResult:

@@ -9,7 +9,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bake.phases.phase_a import baseline, scores
-from bake.phases.phase_a.method import Method, no_rules, nothing_unread, register
+from bake.phases.phase_a.method import register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
@@ -24,16 +24,4 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     return baseline.run(ctx, LABEL, scores.flap, scores.flap_logits)
 
 
-METHOD = register(
-    Method(
-        name="flap",
-        label=LABEL,
-        run=run,
-        reads=baseline.READS,
-        trains=False,
-        least_squares_chooses=False,
-        params=None,
-        unread=nothing_unread,
-        rules=no_rules,
-    )
-)
+METHOD = register(baseline.method("flap", LABEL, run))

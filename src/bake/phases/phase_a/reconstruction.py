@@ -17,7 +17,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bake.phases.phase_a import baseline, flap
-from bake.phases.phase_a.method import Method, nothing_unread, register
+from bake.phases.phase_a.method import register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
@@ -51,16 +51,7 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     return flap.run(ctx, on_evaluation)
 
 
+# FLAP's keys (the widths and the fall-back); least squares chooses the neurons
 METHOD = register(
-    Method(
-        name="reconstruction",
-        label=flap.LABEL,
-        run=run,
-        reads=baseline.READS,  # FLAP's: the widths and the fall-back
-        trains=False,
-        least_squares_chooses=True,
-        params=None,
-        unread=nothing_unread,
-        rules=rules,
-    )
+    baseline.method("reconstruction", flap.LABEL, run, least_squares_chooses=True, rules=rules)
 )

@@ -7,7 +7,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from bake.phases.phase_a import baseline, scores
-from bake.phases.phase_a.method import Method, no_rules, nothing_unread, register
+from bake.phases.phase_a.method import register
 
 if TYPE_CHECKING:
     from bake.phases.common import OnEvaluation
@@ -22,16 +22,4 @@ def run(ctx: RunContext, on_evaluation: OnEvaluation) -> PhaseAResult:
     return baseline.run(ctx, LABEL, scores.wanda, scores.wanda_logits)
 
 
-METHOD = register(
-    Method(
-        name="wanda_sp",
-        label=LABEL,
-        run=run,
-        reads=baseline.READS,
-        trains=False,
-        least_squares_chooses=False,
-        params=None,
-        unread=nothing_unread,
-        rules=no_rules,
-    )
-)
+METHOD = register(baseline.method("wanda_sp", LABEL, run))
