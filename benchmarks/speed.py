@@ -154,22 +154,24 @@ def _phases(model, corpus, held, device, overrides: list[str]):
     from bake.phases import masks
     from bake.phases.common import Identity
     from bake.phases.phase_a.mask import PhaseA
-    from bake.phases.phase_b.module import PhaseB
+    from bake.phases.phase_b.module import PhaseB, make_optimizer
     from bake.phases.settings import resolve
     from benchmarks.common import compose
 
-    cfg = compose(overrides)
     stack = model.stack
-    settings = resolve(cfg, model.meta)
+    settings = resolve(compose(overrides), model.meta)
+    # Phase A's learned mask (the default method is training-free: its step is a learned one's)
+    learned = resolve(compose([*overrides, "phase_a.method=learned"]), model.meta).phase_a
     init = torch.full((stack.num_virtual, stack.inter), masks.mask_init_logit(stack.loops))
     init += torch.randn(init.shape, generator=torch.Generator().manual_seed(0))  # a ranking
-    sa = dataclasses.replace(settings.phase_a, eval_batch_size=4, method="learned")
+    sa = settings.phase_a if settings.phase_a.trains else learned
+    sa = dataclasses.replace(sa, params=dataclasses.replace(sa.params, eval_batch_size=4))
     a = PhaseA(stack, corpus.calib, held, sa, init.to(device), Identity("b", "b")).to(device)
-    opt_a = torch.optim.Adam([a.logits], lr=sa.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt_a = torch.optim.Adam([a.logits], lr=sa.params.lr, betas=(0.9, 0.999), eps=1e-8)
     gates = (sa.controller_rule.keep(init) if sa.ship else init > 0).float()
     sb = dataclasses.replace(settings.phase_b, in_place=False)
     b = PhaseB(stack, corpus.calib, held, sb, gates.to(device), Identity("b", "b")).to(device)
-    opt_b = torch.optim.Adam(b.ffn.parameters(), lr=sb.lr, betas=(0.9, 0.999), eps=1e-8)
+    opt_b = make_optimizer(sb.optimizer, list(b.ffn.parameters()), sb.lr)  # the bake's own
     return a, opt_a, b, opt_b, gates.to(device)
 
 

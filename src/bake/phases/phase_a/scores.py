@@ -41,7 +41,8 @@ log = logging.getLogger("bake")
 
 @dataclass
 class ActivationStats:
-    """Per virtual layer and neuron: sum of a_j, sum of a_j^2 (float64), and the token count."""
+    """Per virtual layer and neuron: sum of a_j, sum of a_j^2 (float64; each batch's part formed
+    in float32), and the token count."""
 
     total: Tensor  # [num_virtual, inter]
     squares: Tensor  # [num_virtual, inter]
@@ -55,9 +56,11 @@ def activation_stats(stack: Stack, calib: Tensor, batch: int = 4) -> ActivationS
     squares = torch.zeros_like(total)
 
     def observe(v: int, act: Tensor) -> None:
-        a = act.double()
-        total[v] += a.sum(dim=(0, 1)).cpu()
-        squares[v] += a.pow(2).sum(dim=(0, 1)).cpu()
+        # one batch's sums in the activations' float32, added in float64: two reads of the
+        # activations, no copy of them (as least squares forms its sums)
+        a = act.reshape(-1, act.shape[-1])
+        total[v] += a.sum(dim=0).double().cpu()
+        squares[v] += torch.linalg.vector_norm(a, dim=0).double().square_().cpu()
 
     starts = range(0, calib.shape[0], batch)
     with Progress("[A] activation statistics", len(starts), "batches", log) as progress:

@@ -7,7 +7,10 @@ allocates about three temporaries the size of each parameter; on CPU, for matric
 mmap threshold, they fragment the heap and about a second set of the gradients stayed resident
 (measured on SmolLM2: Phase B's peak 1962 MiB, against 1637 MiB with every such block mapped and
 given back). Here each update is formed in place in one buffer the size of the largest
-parameter, kept across steps: the same numbers, no per-parameter allocation.
+parameter, kept across steps, with no per-parameter allocation, and in fewer passes over the
+gradient (the RMS a dot product, the step size and the clip one scaled add): about eleven reads
+and writes of a parameter's size instead of eighteen. The numbers equal transformers' to float
+rounding (tests/test_phase_b.py).
 """
 
 from __future__ import annotations
@@ -60,18 +63,17 @@ class Adafactor(torch.optim.Optimizer):
         state["step"] += 1
         beta2 = 1.0 - math.pow(state["step"], DECAY)
         u = self._buffer(grad)
-        torch.mul(grad, grad, out=u).add_(EPS_SQUARE)
         if factored:
             row, col = state["exp_avg_sq_row"], state["exp_avg_sq_col"]
-            row.mul_(beta2).add_(u.mean(dim=-1), alpha=1.0 - beta2)
-            col.mul_(beta2).add_(u.mean(dim=-2), alpha=1.0 - beta2)
+            sq = torch.mul(grad, grad, out=u)  # the means of grad^2 + eps: of grad^2, + eps
+            row.mul_(beta2).add_(sq.mean(dim=-1).add_(EPS_SQUARE), alpha=1.0 - beta2)
+            col.mul_(beta2).add_(sq.mean(dim=-2).add_(EPS_SQUARE), alpha=1.0 - beta2)
             r = (row / row.mean(dim=-1, keepdim=True)).rsqrt_().unsqueeze(-1)
-            torch.mul(r, col.unsqueeze(-2).rsqrt(), out=u)
+            torch.mul(grad, col.rsqrt().unsqueeze(-2), out=u).mul_(r)
         else:
             v = state["exp_avg_sq"]
-            v.mul_(beta2).add_(u, alpha=1.0 - beta2)
-            torch.rsqrt(v, out=u)
-        u.mul_(grad)
-        rms = u.norm(2) / (u.numel() ** 0.5)
-        u.div_((rms / CLIP).clamp_(min=1.0)).mul_(lr)
-        p.sub_(u)
+            v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2).add_(EPS_SQUARE * (1.0 - beta2))
+            torch.rsqrt(v, out=u).mul_(grad)
+        flat = u.view(-1)
+        rms = math.sqrt(float(torch.dot(flat, flat)) / flat.numel())
+        p.add_(u, alpha=-lr / max(rms / CLIP, 1.0))

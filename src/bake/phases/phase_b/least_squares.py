@@ -70,11 +70,11 @@ class _Normal:
         self.r = torch.zeros(hidden, k, dtype=dtype)
 
     def add(self, gram: Tensor, cross: Tensor, gate: Tensor) -> None:
-        """One visit's Gram matrix and target cross sums (full width, float64), with its gates
-        on the kept columns."""
-        k, d = self.kept, gate[self.kept].to(gram.dtype)
-        self.m += d[:, None] * gram[k][:, k] * d[None, :]
-        self.r += cross[:, k] * d[None, :]
+        """One visit's Gram matrix [kept, kept] and target cross sums [hidden, kept] over the
+        kept columns (float64), with its gates on them [kept]."""
+        d = gate.to(gram.dtype)
+        self.m += d[:, None] * gram * d[None, :]
+        self.r += cross * d[None, :]
 
     def solve(self, ridge: float) -> Tensor:
         """The kept columns of the new ``down_proj`` [hidden, kept]."""
@@ -82,6 +82,51 @@ class _Normal:
         a.diagonal().add_(_ridge(self.m.diagonal(), ridge))
         chol = torch.linalg.cholesky(a)
         return torch.cholesky_solve(self.r.T.contiguous(), chol).T
+
+
+class _Gram:
+    """sum a^T a over batches for the first ``k`` columns of ``a`` [tokens, width] (float64),
+    and, with ``rest``, the other columns against them (sum a_D^T a_K, [width - k, k]).
+
+    The Gram matrix is symmetric: only its blocks on and above the diagonal are multiplied
+    (``blocks`` bands of columns: (blocks + 1) / (2 blocks) of the products), per batch into
+    float32 buffers kept across batches, then added in float64; :meth:`full` mirrors them."""
+
+    def __init__(self, k: int, width: int, rest: bool, like: Tensor, blocks: int = 4):
+        self.k, self.device = k, like.device
+        step = -(-k // blocks) if k else 1
+        self.bands = [(i, min(i + step, k)) for i in range(0, k, step)]
+        pairs = [(i, j) for i in range(len(self.bands)) for j in range(i, len(self.bands))]
+        size = {
+            (i, j): (self.bands[i][1] - self.bands[i][0], self.bands[j][1] - self.bands[j][0])
+            for i, j in pairs
+        }
+        self.part = {p: like.new_empty(size[p]) for p in pairs}
+        self.sums = {
+            p: torch.zeros(size[p], dtype=torch.float64, device=like.device) for p in pairs
+        }
+        self.rest = None
+        if rest and width > k:
+            self.rest_part = like.new_empty(width - k, k)
+            self.rest = torch.zeros(width - k, k, dtype=torch.float64, device=like.device)
+
+    def add(self, a: Tensor) -> None:
+        """One batch's activations [tokens, width] (the kept columns first)."""
+        for (i, j), part in self.part.items():
+            (r0, r1), (c0, c1) = self.bands[i], self.bands[j]
+            self.sums[i, j] += torch.mm(a[:, r0:r1].T, a[:, c0:c1], out=part)
+        if self.rest is not None:
+            self.rest += torch.mm(a[:, self.k :].T, a[:, : self.k], out=self.rest_part)
+
+    def full(self) -> Tensor:
+        """The Gram matrix of the first ``k`` columns [k, k], float64."""
+        g = torch.empty(self.k, self.k, dtype=torch.float64, device=self.device)
+        for (i, j), total in self.sums.items():
+            (r0, r1), (c0, c1) = self.bands[i], self.bands[j]
+            g[r0:r1, c0:c1] = total
+            if i != j:
+                g[c0:c1, r0:r1] = total.T
+        return g
 
 
 def choose(gram: Tensor, cross: Tensor, width: int, ridge: float) -> Tensor:
@@ -177,49 +222,71 @@ def least_squares(
         raise ValueError("least_squares: a looped model's down_proj cannot take the solution")
     if select and stack.loops > 1:
         raise ValueError("least_squares: neurons are chosen on a model that does not loop")
-    # the per-batch sums in float32, added into the float64 ones: buffers reused across batches
-    # (as many short-lived blocks of these sizes fragment the C heap on CPU)
-    part = h.new_empty(inter, inter)
-    part_x = h.new_empty(stack.hidden_size, inter) if stream else None
+    # the per-batch cross sums in float32, added into the float64 ones: a buffer reused across
+    # batches (as many short-lived blocks of these sizes fragment the C heap on CPU)
+    part_x = h.new_empty(stack.hidden_size * inter) if stream else None
     last = stack.num_virtual - 1
     with Progress("[LS] least squares", stack.num_virtual, "layers", log) as progress:
         for v in range(stack.num_virtual):
             li = v % stack.num_layers
             wg, wu, wd = base[li] if base is not None and li in base else stack.ffn_weights(li)
-            gate = visits[v].to(device, h.dtype)
-            gram = torch.zeros(inter, inter, dtype=torch.float64, device=device)
-            cross = torch.zeros(stack.hidden_size, inter, dtype=torch.float64, device=device)
+            # the columns solved for: the layer's kept neurons (every neuron when they are
+            # chosen here), first in a permuted copy of the FFN, so that their activations are
+            # a leading block and the repaired layer computes only them
+            cols = torch.arange(inter) if select else torch.nonzero(physical[li]).squeeze(1)
+            k = cols.numel()
+            dropped = torch.ones(inter, dtype=torch.bool)
+            dropped[cols] = False
+            order = torch.cat([cols, torch.nonzero(dropped).squeeze(1)]).to(device)
+            pg, pu, pd = wg[order], wu[order], wd[:, order]
+            sums = _Gram(k, inter, not stream, h, blocks=1 if select else 4)
+            cross = torch.zeros(stack.hidden_size, k, dtype=torch.float64, device=device)
+            part = part_x[: cross.numel()].view(cross.shape) if part_x is not None else None
             for i in range(0, n, batch):
                 x = stack.attend(li, h[i : i + batch], ropes, amasks)
                 h[i : i + batch] = x
-                a = stack.activations(stack.ffn_input(li, x), wg, wu)
+                a = stack.activations(stack.ffn_input(li, x), pg, pu)
                 a2 = a.reshape(-1, inter)
-                gram += torch.mm(a2.T, a2, out=part)
-                if h_o is not None:  # the drift part of the target; W a's part is W G below
+                sums.add(a2)
+                if h_o is not None:  # the target t = W a + drift * (the drift W a leaves)
                     x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
                     y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
                     h_o[i : i + batch] = x_o + y_o
-                    off = (x_o + y_o - x - F.linear(a, wd)).reshape(-1, stack.hidden_size)
-                    cross += torch.mm(off.T, a2, out=part_x)
-            cross = wd.detach().double() @ gram + drift * cross  # R = W G + drift * sum off a^T
+                    t = (x_o + y_o - x).mul_(drift)
+                    if drift < 1.0:
+                        t.add_(F.linear(a, pd), alpha=1.0 - drift)
+                    t2 = t.reshape(-1, stack.hidden_size)
+                    cross += torch.mm(t2.T, a2[:, :k], out=part)
+            gram = sums.full()
+            if h_o is None:  # t = W a: R = W G over the kept columns, W_K G_KK + W_D G_DK
+                cross = pd[:, :k].detach().double() @ gram
+                if sums.rest is not None:
+                    cross += pd[:, k:].detach().double() @ sums.rest
+            del sums
+            gate = visits[v].to(device, h.dtype)
             if select:
                 chosen = choose(gram, cross, int(visits[v].sum()), ridge).cpu()
                 visits[v] = physical[li] = False
                 visits[v, chosen] = physical[li, chosen] = True
                 gate = visits[v].to(device, h.dtype)
+                gram, cross = gram[chosen][:, chosen], cross[:, chosen]
+                cols = chosen
             if li not in normals:
-                normals[li] = _Normal(torch.nonzero(physical[li]).squeeze(1), stack.hidden_size)
-            normals[li].add(gram.cpu(), cross.cpu(), gate.cpu())
+                normals[li] = _Normal(cols, stack.hidden_size)
+            normals[li].add(gram.cpu(), cross.cpu(), gate[cols.to(device)].cpu())
             del gram, cross
+            solved = normals[li].solve(ridge).to(device, wd.dtype)  # [hidden, kept]
             down = downs[li].zero_()
-            down[:, normals[li].kept.to(device)] = normals[li].solve(ridge).to(device, wd.dtype)
+            kept = cols.to(device)
+            down[:, kept] = solved
             if v + stack.num_layers > last:  # no later visit of this layer adds to its equations
                 del normals[li]
             out[li] = (wg, wu, down)
-            for i in range(0, n, batch):
+            kg, ku, d = wg[kept], wu[kept], gate[kept]
+            for i in range(0, n, batch):  # the repaired layer: its kept neurons only
                 x = h[i : i + batch]
-                a = stack.activations(stack.ffn_input(li, x), wg, wu).mul_(gate)
-                h[i : i + batch] = x + stack.ffn_output(li, F.linear(a, down))
+                a = stack.activations(stack.ffn_input(li, x), kg, ku).mul_(d)
+                h[i : i + batch] = x + stack.ffn_output(li, F.linear(a, solved))
             if stack.loop_norm and li == stack.num_layers - 1 and v < last:
                 h = stack.norm(h)
                 if h_o is not None:
