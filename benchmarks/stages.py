@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import statistics
 import time
 from dataclasses import dataclass
@@ -95,12 +96,14 @@ def flap_needed(d: Dims, tokens: int) -> float:
     return tokens * d.layers * (d.attention + d.scores + d.ffn(d.n))
 
 
-def ls_needed(d: Dims, tokens: int, kept: list[int], drift: float) -> float:
+def ls_needed(d: Dims, tokens: int, kept: list[int], drift: float, shared: bool) -> float:
     total = 0.0
     for k in kept:
         per = d.attention + d.scores + 4 * d.h * d.n + k * k + d.ffn(k)
         if drift > 0:
-            per += 2 * d.h * d.n + 2 * d.h * k + d.attention + d.scores + d.ffn(d.n)
+            per += 2 * d.h * d.n + 2 * d.h * k
+            if not shared:  # the unpruned stream, unless read from the statistics pass
+                per += d.attention + d.scores + d.ffn(d.n)
         else:
             per += 2 * (d.n - k) * k
         total += tokens * per + k**3 / 3 + 2 * d.h * k * k
@@ -132,11 +135,18 @@ def gemm_rate(reps: int = 5) -> float:
     return 2 * 2048**3 / statistics.median(times)
 
 
+def _addmm_(self_shape, a_shape, b_shape, **_) -> int:
+    return 2 * a_shape[0] * a_shape[1] * b_shape[1]
+
+
 def counted(fn) -> float:
-    """The GEMM FLOP ``fn`` runs (torch's FlopCounterMode)."""
+    """The GEMM FLOP ``fn`` runs (torch's FlopCounterMode; its table leaves out the in-place
+    ``addmm_`` that the head's blocks accumulate with, counted here)."""
+    import torch  # lazy: torch
     from torch.utils.flop_counter import FlopCounterMode  # lazy: torch
 
-    with FlopCounterMode(display=False) as counter:
+    extra = {torch.ops.aten.addmm_: _addmm_}
+    with FlopCounterMode(display=False, custom_mapping=extra) as counter:
         fn()
     return float(counter.get_total_flops())
 
@@ -169,8 +179,14 @@ def phase_b_step(model, corpus, overrides: list[str], keep):
     return step
 
 
-def measure(overrides: list[str], reps: int = 3, cache: Path | None = None) -> dict:
-    """The stage table of the recipe ``overrides`` compose (the default bake's with none)."""
+def measure(
+    overrides: list[str], reps: int = 3, cache: Path | None = None, shares_stream: bool = True
+) -> dict:
+    """The stage table of the recipe ``overrides`` compose (the default bake's with none);
+    ``shares_stream``: least squares reads the unpruned stream the statistics pass wrote, as
+    the bake does (False: it computes it, as bake did before it shared it)."""
+    import tempfile
+
     import torch
 
     from bake.corpus.splits import load_corpus
@@ -179,6 +195,7 @@ def measure(overrides: list[str], reps: int = 3, cache: Path | None = None) -> d
     from bake.phases.phase_a import scores
     from bake.phases.phase_b import least_squares as repair
     from bake.phases.settings import resolve
+    from bake.phases.stream import Reader, Stream
     from benchmarks.common import compose
     from benchmarks.speed import _cpu
 
@@ -208,31 +225,42 @@ def measure(overrides: list[str], reps: int = 3, cache: Path | None = None) -> d
             }
         )
 
+    scratch = tempfile.mkdtemp(prefix="bake-stages-")
     # FLAP's statistics: one pass of the unpruned model over the calibration chunks
     sample = min(16, corpus.calib.shape[0])
     calib = corpus.calib[:sample]
     tok = calib.numel()
     calib_count = corpus.calib.shape[0] / sample
+    ls = settings.least_squares
+    drift = ls.drift if not stack.sandwich else 0.0
+    # the unpruned stream the statistics pass writes for least squares (bake.phases.stream),
+    # where the bake writes it (a training-free Phase A, a target that needs the drift)
+    stream = None
+    if ls.enabled and drift > 0 and not settings.phase_a.trains and shares_stream:
+        stream = Stream(Path(scratch) / "stream.f32", d.layers, sample, d.t, d.h)
     row(
         "FLAP statistics",
         f"{sample} chunks",
         calib_count,
-        lambda: scores.activation_stats(stack, calib),
+        lambda: scores.activation_stats(stack, calib, stream=stream),
         flap_needed(d, tok),
         tok * d.layers * d.scores,
     )
     # the structure a default bake repairs: FLAP's at the target
-    stats = scores.activation_stats(stack, calib)
+    stats = scores.activation_stats(stack, calib, stream=stream)
     target = settings.phase_a.target_sparsity
     keep = scores.flap_logits(scores.flap(stack, stats), target) > 0
     kept = [int(x) for x in keep.sum(dim=1)]
-    ls = settings.least_squares
-    drift = ls.drift if not stack.sandwich else 0.0
-    streams = 2 if drift > 0 else 1
+    unpruned_streams = 1 if drift > 0 and stream is None else 0
 
     def least_squares(chunks: Tensor):
         def run() -> None:
-            repair.least_squares(stack, chunks, keep.clone(), keep.clone(), ls.ridge, drift=drift)
+            reader = Reader(stream) if stream is not None else None
+            repair.least_squares(
+                stack, chunks, keep.clone(), keep.clone(), ls.ridge, drift=drift, unpruned=reader
+            )
+            if reader is not None:
+                reader.close()
 
         return run
 
@@ -242,8 +270,8 @@ def measure(overrides: list[str], reps: int = 3, cache: Path | None = None) -> d
         f"{sample} chunks",
         ls_chunks / sample,
         least_squares(calib),
-        ls_needed(d, tok, kept, drift),
-        streams * tok * d.layers * d.scores,
+        ls_needed(d, tok, kept, drift, shared=stream is not None),
+        (1 + unpruned_streams) * tok * d.layers * d.scores,
     )
     # its solve does not grow with the chunks: a bake's seconds from this sample and half of it
     half = timed(least_squares(calib[: sample // 2]), reps)
@@ -270,6 +298,7 @@ def measure(overrides: list[str], reps: int = 3, cache: Path | None = None) -> d
         eval_needed(d, held.numel(), kept),
         held.numel() * d.layers * d.scores,
     )
+    shutil.rmtree(scratch, ignore_errors=True)
     rate = (rate_before + gemm_rate()) / 2
     for r in rows:
         r["written_ratio"] = r["seconds"] / (r["written_flop"] / rate)
@@ -283,6 +312,7 @@ def measure(overrides: list[str], reps: int = 3, cache: Path | None = None) -> d
         "gemm_flops": rate,
         "gemm_flops_before_after": [rate_before, rate],
         "kept": kept,
+        "shares_stream": stream is not None,
         "rows": rows,
     }
 

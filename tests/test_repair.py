@@ -258,3 +258,30 @@ def test_reconstruction_ships_the_neurons_least_squares_chose_or_flaps(
         theirs = dict(zip(flaps[li].nonzero().squeeze(1).tolist(), want[name], strict=True))
         for j in (ships[li] & flaps[li]).nonzero().squeeze(1).tolist():
             assert torch.equal(mine[j], theirs[j]), (li, j)
+
+
+@pytest.mark.parametrize("loops", [1, 2])
+def test_least_squares_reads_the_unpruned_stream_the_statistics_pass_wrote(tmp_path, loops):
+    """FLAP's statistics pass writes the unpruned model's stream after every layer on the first
+    chunks (bake.phases.stream); least squares reads it instead of running that model again,
+    and solves what the independent sequential implementation solves."""
+    from bake.phases.phase_a import scores
+    from bake.phases.stream import Reader, Stream
+
+    stack = tiny(loops=loops)
+    g = torch.Generator().manual_seed(7)
+    calib = torch.randint(0, 256, (7, 24), generator=g)
+    keep = torch.rand(stack.num_virtual, stack.inter, generator=g) > 0.35
+    physical = keep.view(loops, 3, -1).any(dim=0)
+    stream = Stream(tmp_path / "stream.f32", stack.num_virtual, 5, 24, stack.hidden_size)
+    scores.activation_stats(stack, calib, batch=2, stream=stream)  # 7 chunks, 5 written
+    assert stream.ready() and not (tmp_path / "stream.f32.partial").exists()
+    reader = Reader(stream)
+    got = repair.least_squares(
+        stack, calib[:5], keep.clone(), physical.clone(), 1e-3, 2, drift=0.5, unpruned=reader
+    )
+    reader.close()
+    ref = TinyLlama(stack.lm.state_dict(), stack.lm.config, loops, stack.loop_norm)
+    want = independent_repair(ref, calib[:5], keep, 1e-3, 0.5)
+    for i in range(3):
+        torch.testing.assert_close(got[i][2], want[i], rtol=1e-5, atol=1e-6)  # fp32 rounding

@@ -184,6 +184,7 @@ class Stack:
         gates: Tensor | Sequence[Tensor | None] | None = None,
         ffn: FfnOverride | None = None,
         observe: Observer | None = None,
+        after: Observer | None = None,
     ) -> Tensor:
         """Final-norm hidden states [batch, seq, hidden] of ``ids`` [batch, seq].
 
@@ -192,6 +193,8 @@ class Stack:
                 for an open row), multiplying the input of ``down_proj``; None: all open.
             ffn: trained (gate, up, down) weights replacing physical layers' FFN.
             observe: called with (virtual layer, FFN activations before the gate).
+            after: called with (virtual layer, the residual stream after its FFN, before a
+                loop's norm).
         """
         with torch.no_grad():
             h = self.embed(ids)
@@ -205,6 +208,8 @@ class Stack:
                 h = checkpoint(self._ffn_block, li, h, row, ffn, v, use_reentrant=False)
             else:
                 h = self._ffn_block(li, h, row, ffn, v, observe)
+            if after is not None:
+                after(v, h)
             if self.loop_norm and li == self.num_layers - 1 and v < last:
                 h = self.norm(h)
         return self.norm(h)

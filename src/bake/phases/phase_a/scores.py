@@ -29,6 +29,8 @@ import torch
 from torch import Tensor
 
 from bake.models.stack import Stack
+from bake.phases import stream as streams
+from bake.phases.stream import Stream, Writer
 from bake.storage import cache
 from bake.storage.files import atomic_write
 from bake.tracking.console import Progress
@@ -50,8 +52,12 @@ class ActivationStats:
 
 
 @torch.inference_mode()
-def activation_stats(stack: Stack, calib: Tensor, batch: int = 4) -> ActivationStats:
-    """Activation sums over all calibration chunks, on the unpruned model."""
+def activation_stats(
+    stack: Stack, calib: Tensor, batch: int = 4, stream: Stream | None = None
+) -> ActivationStats:
+    """Activation sums over all calibration chunks, on the unpruned model; with ``stream``, the
+    model's residual stream after every layer on its first chunks is written there on the way
+    (:mod:`bake.phases.stream`: least squares reads it)."""
     total = torch.zeros(stack.num_virtual, stack.inter, dtype=torch.float64)
     squares = torch.zeros_like(total)
 
@@ -63,16 +69,30 @@ def activation_stats(stack: Stack, calib: Tensor, batch: int = 4) -> ActivationS
         squares[v] += torch.linalg.vector_norm(a, dim=0).double().square_().cpu()
 
     starts = range(0, calib.shape[0], batch)
-    with Progress("[A] activation statistics", len(starts), "batches", log) as progress:
-        for i in starts:
-            stack.hidden(calib[i : i + batch].to(stack.device), observe=observe)
-            progress.advance()
+    writer = Writer(stream) if stream is not None else None
+    try:
+        with Progress("[A] activation statistics", len(starts), "batches", log) as progress:
+            for i in starts:
+                after = None
+                if writer is not None and i < writer.stream.chunks:
+                    writer.start, after = i, writer.record
+                stack.hidden(calib[i : i + batch].to(stack.device), observe=observe, after=after)
+                progress.advance()
+    except BaseException:
+        if writer is not None:
+            writer.abort()
+        raise
+    if writer is not None:
+        writer.close()
     return ActivationStats(total, squares, int(calib.numel()))
 
 
-def cached_stats(stack: Stack, calib: Tensor, path: Path) -> ActivationStats:
+def cached_stats(
+    stack: Stack, calib: Tensor, path: Path, stream: Stream | None = None
+) -> ActivationStats:
     """:func:`activation_stats`, read from ``path`` when an earlier run of the same model and
-    corpus computed them (a full pass over the calibration set)."""
+    corpus computed them (a full pass over the calibration set); ``stream`` is written only by
+    a pass that runs."""
     from safetensors.torch import load_file, save_file  # lazy: safetensors
 
     def reader(p: Path) -> ActivationStats:
@@ -83,7 +103,7 @@ def cached_stats(stack: Stack, calib: Tensor, path: Path) -> ActivationStats:
         stats = cache.read(path, reader)
         if stats is not None:
             return stats
-        stats = activation_stats(stack, calib)
+        stats = activation_stats(stack, calib, stream=stream)
         tensors = {
             "total": stats.total.contiguous(),
             "squares": stats.squares.contiguous(),
@@ -154,7 +174,11 @@ def flap_logits(score: Tensor, sparsity: float) -> Tensor:
 
 def of_run(ctx: RunContext) -> ActivationStats:
     """Activation statistics of a bake's model on its calibration set, shared between bakes
-    under ``paths.cache/activations/`` (keyed by :attr:`RunContext.keys`)."""
+    under ``paths.cache/activations/`` (keyed by :attr:`RunContext.keys`); a pass that runs
+    also writes the unpruned stream least squares will read (:func:`bake.phases.stream.of_run`)."""
     name = ctx.settings.model.name
     path = ctx.cache / "activations" / f"{name}-{ctx.keys.stats}.safetensors"
-    return cached_stats(ctx.model.stack, ctx.corpus.calib, path)
+    unpruned = streams.of_run(ctx)
+    if unpruned is not None and (unpruned.ready() or not streams.fits(unpruned)):
+        unpruned = None  # a resumed bake's is there already, or it would not fit
+    return cached_stats(ctx.model.stack, ctx.corpus.calib, path, unpruned)

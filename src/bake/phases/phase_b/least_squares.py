@@ -44,7 +44,9 @@ from torch import Tensor
 from bake.models import loader
 from bake.models.stack import FfnOverride, Stack
 from bake.phases import ship
+from bake.phases import stream as streams
 from bake.phases.phase_b.repaired import Repaired, restore_values, save_values
+from bake.phases.stream import Reader
 from bake.phases.structure import compute_keep
 from bake.ranks import rank_name
 from bake.storage.cache import digest
@@ -182,6 +184,7 @@ def least_squares(
     base: FfnOverride | None = None,
     downs: Sequence[Tensor] | None = None,
     select: bool = False,
+    unpruned: Reader | None = None,
 ) -> dict[int, FfnWeights]:
     """Repaired FFN weights of every physical layer (gate, up unchanged; ``down_proj`` with its
     kept columns solved and its dropped columns zero), from one pass over ``calib`` [n, seq].
@@ -195,7 +198,8 @@ def least_squares(
     layer's solution overwrites it), never on a looped one (its later passes read them).
     ``select``: each layer keeps as many neurons as ``visits`` says, chosen by :func:`choose`;
     ``visits`` and ``physical`` are rewritten in place with the chosen ones (a model that does
-    not loop).
+    not loop). ``unpruned``: the unpruned model's stream after every layer on these chunks, read
+    instead of computed (:mod:`bake.phases.stream`; the backbone's, so ``base`` is None).
     """
     if not 0.0 <= drift <= 1.0:
         raise ValueError(f"drift={drift}: not in [0, 1]")
@@ -208,7 +212,9 @@ def least_squares(
     for i in range(batch, n, batch):
         h[i : i + batch] = stack.embed(calib[i : i + batch].to(device))
     del first
-    h_o = h.clone() if stream else None  # the unpruned stream
+    if unpruned is not None and (base is not None or not stream):
+        raise ValueError("least_squares: the stream read is the backbone's, for drift > 0")
+    h_o = h.clone() if stream and unpruned is None else None  # the unpruned stream
     ropes, amasks = stack.positions(h[:1])
     inter = stack.inter
     # A layer's equations exist from its first visit to its last: one layer's at a time on a
@@ -248,17 +254,21 @@ def least_squares(
                 a = stack.activations(stack.ffn_input(li, x), pg, pu)
                 a2 = a.reshape(-1, inter)
                 sums.add(a2)
-                if h_o is not None:  # the target t = W a + drift * (the drift W a leaves)
-                    x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
-                    y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
-                    h_o[i : i + batch] = x_o + y_o
-                    t = (x_o + y_o - x).mul_(drift)
+                if stream:  # the target t = W a + drift * (the drift W a leaves)
+                    if unpruned is not None:
+                        after = unpruned.read(v, i, min(i + batch, n), x)
+                    else:
+                        assert h_o is not None
+                        x_o = stack.attend(li, h_o[i : i + batch], ropes, amasks)
+                        y_o = F.linear(stack.activations(stack.ffn_input(li, x_o), wg, wu), wd)
+                        after = h_o[i : i + batch] = x_o + y_o
+                    t = (after - x).mul_(drift)
                     if drift < 1.0:
                         t.add_(F.linear(a, pd), alpha=1.0 - drift)
                     t2 = t.reshape(-1, stack.hidden_size)
                     cross += torch.mm(t2.T, a2[:, :k], out=part)
             gram = sums.full()
-            if h_o is None:  # t = W a: R = W G over the kept columns, W_K G_KK + W_D G_DK
+            if not stream:  # t = W a: R = W G over the kept columns, W_K G_KK + W_D G_DK
                 cross = pd[:, :k].detach().double() @ gram
                 if sums.rest is not None:
                     cross += pd[:, k:].detach().double() @ sums.rest
@@ -339,25 +349,40 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
         downs = saved
     else:  # made outside inference mode: Phase B may train them in place
         downs = [torch.zeros_like(stack.ffn_weights(li)[2]) for li in layers]
+    stream = streams.of_run(ctx)
     if saved is None:
         chosen, physical = keep.visits.clone(), keep.physical.clone()
-        least_squares(
-            stack,
-            ctx.corpus.calib[: ls.chunks],
-            chosen,
-            physical,
-            ls.ridge,
-            drift=ls.drift,
-            base=start.ffn,
-            downs=downs,
-            select=select,
-        )
+        ready = stream is not None and start.ffn is None and stream.ready()
+        reader = Reader(stream) if ready and stream is not None else None
+        if reader is not None:
+            log.info(
+                "[LS] the unpruned model's stream: read from the statistics pass (%.2f GB)",
+                reader.stream.nbytes / 1e9,
+            )
+        try:
+            least_squares(
+                stack,
+                ctx.corpus.calib[: ls.chunks],
+                chosen,
+                physical,
+                ls.ridge,
+                drift=ls.drift,
+                base=start.ffn,
+                downs=downs,
+                select=select,
+                unpruned=reader,
+            )
+        finally:
+            if reader is not None:
+                reader.close()
         _save_downs(path, downs, mask, chosen)
     elif in_place:
         with torch.no_grad():
             for d, value in zip(downs, saved, strict=True):
                 d.copy_(value)
         del saved
+    if stream is not None:  # read, or not needed any more: its gigabytes of disk go back
+        stream.path.unlink(missing_ok=True)
     base = start.ffn or {}  # gate and up stay those the repair started from
     ffn = {li: (*(base.get(li) or stack.ffn_weights(li))[:2], downs[li]) for li in layers}
     assert chosen is not None  # read back with the solution, or just chosen
