@@ -13,6 +13,8 @@ Writes outputs/bench/speed-<device>.json and prints a table:
   5. model load, imports excluded: first (GGUF conversion) and cached (target cached <= 3 s)
   6. peak resident memory during a bake / after model and corpus are loaded (target <= 1.25)
   7. exported forward speed-up / FLOP bound at a sparsity (target >= 0.9)
+and the stage table of benchmarks/stages.py (each stage of the default bake against the
+arithmetic it needs; --skip-stages leaves it out).
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ import time
 from pathlib import Path
 
 from bake.phases import structure
+from benchmarks import stages
 
 REPO = Path(__file__).resolve().parents[1]
 # A shortened recipe (a default bake takes ~15 minutes here; the speed part must take less):
@@ -362,6 +365,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("--sparsity", default="0.1,0.3", help="export sparsities for row 7")
     p.add_argument("--skip-overhead", action="store_true", help="skip rows 4 and 6")
     p.add_argument("--only-overhead", action="store_true", help="only rows 4 and 6")
+    p.add_argument("--skip-stages", action="store_true", help="skip the stage table")
     p.add_argument("--overhead-reps", type=int, default=2, help="runs of each for row 4")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--out", default=None)
@@ -397,10 +401,14 @@ def main(argv: list[str] | None = None) -> dict:
         del model
     if not args.skip_overhead:
         res["overhead"] = overhead(cache, args.device, args.overhead_reps)
+    if not args.skip_stages and not args.only_overhead and args.device == "cpu":
+        res["stages"] = stages.measure([f"paths.cache={cache}"], reps=3, cache=cache)
     res["config"] = OmegaConf.to_container(mcfg)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
     print(table(res))
+    if "stages" in res:
+        print("\n" + stages.table(res["stages"]))
     print(f"\nwritten: {out}")
     return res
 

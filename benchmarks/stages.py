@@ -195,7 +195,6 @@ def measure(
     from bake.phases.phase_a import scores
     from bake.phases.phase_b import least_squares as repair
     from bake.phases.settings import resolve
-    from bake.phases.stream import Reader, Stream
     from benchmarks.common import compose
     from benchmarks.speed import _cpu
 
@@ -235,19 +234,24 @@ def measure(
     drift = ls.drift if not stack.sandwich else 0.0
     # the unpruned stream the statistics pass writes for least squares (bake.phases.stream),
     # where the bake writes it (a training-free Phase A, a target that needs the drift)
+    try:
+        from bake.phases.stream import Reader, Stream
+    except ImportError:  # a bake from before the stream was shared (a base commit's table)
+        shares_stream = False
     stream = None
     if ls.enabled and drift > 0 and not settings.phase_a.trains and shares_stream:
         stream = Stream(Path(scratch) / "stream.f32", d.layers, sample, d.t, d.h)
+    streamed = {"stream": stream} if stream is not None else {}
     row(
         "FLAP statistics",
         f"{sample} chunks",
         calib_count,
-        lambda: scores.activation_stats(stack, calib, stream=stream),
+        lambda: scores.activation_stats(stack, calib, **streamed),
         flap_needed(d, tok),
         tok * d.layers * d.scores,
     )
     # the structure a default bake repairs: FLAP's at the target
-    stats = scores.activation_stats(stack, calib, stream=stream)
+    stats = scores.activation_stats(stack, calib, **streamed)
     target = settings.phase_a.target_sparsity
     keep = scores.flap_logits(scores.flap(stack, stats), target) > 0
     kept = [int(x) for x in keep.sum(dim=1)]
@@ -255,12 +259,15 @@ def measure(
 
     def least_squares(chunks: Tensor):
         def run() -> None:
-            reader = Reader(stream) if stream is not None else None
+            visits, physical = keep.clone(), keep.clone()
+            if stream is None:
+                repair.least_squares(stack, chunks, visits, physical, ls.ridge, drift=drift)
+                return
+            reader = Reader(stream)
             repair.least_squares(
-                stack, chunks, keep.clone(), keep.clone(), ls.ridge, drift=drift, unpruned=reader
+                stack, chunks, visits, physical, ls.ridge, drift=drift, unpruned=reader
             )
-            if reader is not None:
-                reader.close()
+            reader.close()
 
         return run
 
@@ -339,7 +346,7 @@ def main(argv: list[str] | None = None) -> dict:
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (model=...)")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each stage's sample")
     p.add_argument("--out", default=None, help="JSON file (outputs/bench/stages-<model>.json)")
-    args = p.parse_args(argv)
+    args = p.parse_intermixed_args(argv)
     res = measure(args.overrides, args.reps)
     out = Path(args.out or REPO / "outputs" / "bench" / f"stages-{res['model']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
