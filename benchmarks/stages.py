@@ -29,6 +29,8 @@ over the L (virtual) layers; a multiply-add is 2 FLOP:
   L (A + S + F(k)) + H; backward L (A + 2S + 2F(k)) + H (the FFN's weight and input gradients,
   the frozen attention's input gradients, the frozen head's gradient with respect to its rows).
   The optimiser's arithmetic is elementwise (no FLOP counted; its seconds are part of the step).
+  The step runs as the bake runs it, with ``trainer.activation_checkpointing`` (on by default):
+  the FFN forward its backward recomputes is in the written count, not in the needed one.
 - a held-out evaluation (the structure that ships): L (A + S + F(k)) + H per scored chunk token.
 """
 
@@ -161,12 +163,14 @@ def timed(fn, reps: int) -> float:
     return statistics.median(times)
 
 
-def phase_b_step(model, corpus, overrides: list[str], keep):
-    """One step of the bake's Phase B module and optimiser on one chunk, under ``keep``."""
+def phase_b_step(model, corpus, overrides: list[str], keep, checkpointing: bool):
+    """One step of the bake's Phase B module and optimiser on one chunk, under ``keep``, with
+    the bake's activation checkpointing (``trainer.activation_checkpointing``)."""
     from bake.phases import masks  # lazy: torch
     from benchmarks.speed import _phases
 
     _, _, b, opt, _ = _phases(model, corpus, corpus.held, model.stack.device, overrides)
+    model.stack.checkpoint = checkpointing
     b.gates = keep.float()
     ids = corpus.calib[:1]
 
@@ -291,7 +295,7 @@ def measure(
         "Phase B step",
         "1 chunk",
         pb.steps + probe_steps,
-        phase_b_step(model, corpus, overrides, keep),
+        phase_b_step(model, corpus, overrides, keep, settings.checkpointing),
         step_needed(d, kept),
         3 * d.t * d.layers * d.scores,  # forward, and the backward's two
     )
