@@ -20,9 +20,16 @@ On Gemma's layers the FFN output passes a norm before the residual add; the stre
 linear in ``down_proj`` there, and drift 0 is used. The repaired layer feeds the next one. On a
 looped model a physical layer's ``down_proj`` serves every visit, each with its own gates: the
 visits' normal equations are summed (each visit's gates restricting the kept columns), and the
-solution is refreshed at every visit with what is known by then. One forward pass over the
-calibration set (two streams when drift > 0); sums are formed in float32 per batch and added in
-float64; the solve is a float64 Cholesky.
+solution is refreshed at every visit with what is known by then.
+
+One forward pass over the calibration set computes only what the solve needs. Each layer's FFN
+is permuted so that its kept neurons come first: the Gram matrix is that of the kept columns
+(G[K, K], its blocks on and above the diagonal multiplied, the rest mirrored), the cross sums
+R = sum t a_K^T are formed from the target itself (drift > 0) or as W_K G[K, K] + W_D G[D, K]
+(drift 0, from the dropped-by-kept block), and the repaired layer computes its kept neurons
+only. The unpruned stream (drift > 0) is read from the file FLAP's statistics pass wrote
+(:mod:`bake.phases.stream`) when there is one, else run beside the pruned one. Sums are formed
+in float32 per batch and added in float64; the solve is a float64 Cholesky.
 
 With ``select`` (``phase_a=reconstruction``) each layer's kept neurons are chosen from the same
 equations before its solve (:func:`choose`): the width stays the one that ships, the neurons are
