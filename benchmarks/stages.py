@@ -184,7 +184,11 @@ def phase_b_step(model, corpus, overrides: list[str], keep, checkpointing: bool)
 
 
 def measure(
-    overrides: list[str], reps: int = 3, cache: Path | None = None, shares_stream: bool = True
+    overrides: list[str],
+    reps: int = 3,
+    cache: Path | None = None,
+    shares_stream: bool = True,
+    sample: int = 16,
 ) -> dict:
     """The stage table of the recipe ``overrides`` compose (the default bake's with none);
     ``shares_stream``: least squares reads the unpruned stream the statistics pass wrote, as
@@ -230,7 +234,7 @@ def measure(
 
     scratch = tempfile.mkdtemp(prefix="bake-stages-")
     # FLAP's statistics: one pass of the unpruned model over the calibration chunks
-    sample = min(16, corpus.calib.shape[0])
+    sample = min(sample, corpus.calib.shape[0])
     calib = corpus.calib[:sample]
     tok = calib.numel()
     calib_count = corpus.calib.shape[0] / sample
@@ -349,9 +353,10 @@ def main(argv: list[str] | None = None) -> dict:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument("overrides", nargs="*", help="Hydra overrides of the recipe (model=...)")
     p.add_argument("--reps", type=int, default=3, help="timed runs of each stage's sample")
+    p.add_argument("--sample", type=int, default=16, help="calibration chunks of the sample")
     p.add_argument("--out", default=None, help="JSON file (outputs/bench/stages-<model>.json)")
     args = p.parse_intermixed_args(argv)
-    res = measure(args.overrides, args.reps)
+    res = measure(args.overrides, args.reps, sample=args.sample)
     out = Path(args.out or REPO / "outputs" / "bench" / f"stages-{res['model']}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(res, indent=2))
