@@ -26,8 +26,9 @@ over the L (virtual) layers; a multiply-add is 2 FLOP:
   (not per token) the solve, k^3 / 3 + 2hk^2. With drift 0 the target is W a: the Gram's
   dropped-by-kept block 2(n - k)k replaces W a, the cross sums and the unpruned stream.
 - a Phase B step (one chunk, every layer's FFN trained under the hard mask): forward
-  L (A + S + F(k)) + H; backward L (A + 2S + 2F(k)) + H (the FFN's weight and input gradients,
-  the frozen attention's input gradients, the frozen head's gradient with respect to its rows).
+  L (A + S + F(k)) + H; backward L 2F(k) + H (the FFN's weight and input gradients, the frozen
+  head's gradient with respect to its rows; the frozen attention carries no gradient, as the
+  recipe says: the residual path does).
   The optimiser's arithmetic is elementwise (no FLOP counted; its seconds are part of the step).
   The step runs as the bake runs it, with ``trainer.activation_checkpointing`` (on by default):
   the FFN forward its backward recomputes is in the written count, not in the needed one.
@@ -114,7 +115,7 @@ def ls_needed(d: Dims, tokens: int, kept: list[int], drift: float, shared: bool)
 
 def step_needed(d: Dims, kept: list[int]) -> float:
     fwd = sum(d.attention + d.scores + d.ffn(k) for k in kept) + d.head
-    bwd = sum(d.attention + 2 * d.scores + 2 * d.ffn(k) for k in kept) + d.head
+    bwd = sum(2 * d.ffn(k) for k in kept) + d.head
     return d.t * (fwd + bwd)
 
 
@@ -301,7 +302,7 @@ def measure(
         pb.steps + probe_steps,
         phase_b_step(model, corpus, overrides, keep, settings.checkpointing),
         step_needed(d, kept),
-        3 * d.t * d.layers * d.scores,  # forward, and the backward's two
+        d.t * d.layers * d.scores,  # the forward's (no gradient goes through attention)
     )
     # a held-out evaluation of the structure that ships
     held, gates = corpus.held, keep.float()

@@ -74,7 +74,8 @@ class Writer:
         if not rows.shape[0]:
             return
         self.file.seek(s._offset(v, self.start))
-        self.file.write(rows.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        rows = rows.detach().to("cpu", torch.float32).contiguous()  # as it is, on CPU in fp32
+        self.file.write(memoryview(rows.numpy()).cast("B"))  # type: ignore[arg-type]
 
     def close(self) -> None:
         self.file.close()
@@ -91,14 +92,20 @@ class Reader:
     def __init__(self, stream: Stream):
         self.stream = stream
         self.file = open(stream.path, "rb")  # noqa: SIM115 (closed by close)
+        self._buffer: Tensor | None = None  # one batch's rows, reused (no block per read)
 
     def read(self, v: int, start: int, stop: int, like: Tensor) -> Tensor:
         """Chunks [start, stop) of layer ``v`` [stop - start, seq, hidden], on ``like``'s
-        device and dtype."""
+        device and dtype; on CPU in fp32, a view of a buffer the next read overwrites."""
         s = self.stream
-        out = torch.empty(stop - start, s.seq, s.hidden, dtype=torch.float32)
+        need = (stop - start) * s.seq * s.hidden
+        if self._buffer is None or self._buffer.numel() < need:
+            self._buffer = torch.empty(need, dtype=torch.float32)
+        out = self._buffer[:need].view(stop - start, s.seq, s.hidden)
         self.file.seek(s._offset(v, start))
-        self.file.readinto(memoryview(out.numpy()).cast("B"))  # type: ignore[arg-type]
+        got = self.file.readinto(memoryview(out.numpy()).cast("B"))  # type: ignore[arg-type]
+        if got != need * 4:
+            raise OSError(f"{s.path}: {got} of {need * 4} bytes read (the file is short)")
         return out.to(like.device, like.dtype)
 
     def close(self) -> None:

@@ -99,38 +99,46 @@ class _Gram:
 
     The Gram matrix is symmetric: only its blocks on and above the diagonal are multiplied
     (``blocks`` bands of columns: (blocks + 1) / (2 blocks) of the products), per batch into
-    float32 buffers kept across batches, then added in float64; :meth:`full` mirrors them."""
+    float32 parts, then added in float64; :meth:`full` mirrors them. Parts and sums are views of
+    ``scratch`` (float32 and float64, ``width`` ^ 2 each), buffers that serve every layer: no
+    blocks of a layer's sizes are allocated and freed (they fragment the C heap on CPU)."""
 
-    def __init__(self, k: int, width: int, rest: bool, like: Tensor, blocks: int = 4):
-        self.k, self.device = k, like.device
+    def __init__(
+        self, k: int, width: int, rest: bool, scratch: tuple[Tensor, Tensor], blocks: int = 4
+    ):
+        self.k = k
         step = -(-k // blocks) if k else 1
         self.bands = [(i, min(i + step, k)) for i in range(0, k, step)]
         pairs = [(i, j) for i in range(len(self.bands)) for j in range(i, len(self.bands))]
-        size = {
-            (i, j): (self.bands[i][1] - self.bands[i][0], self.bands[j][1] - self.bands[j][0])
-            for i, j in pairs
-        }
-        self.part = {p: like.new_empty(size[p]) for p in pairs}
-        self.sums = {
-            p: torch.zeros(size[p], dtype=torch.float64, device=like.device) for p in pairs
-        }
-        self.rest = None
+        shapes = [
+            (b - a, d - c) for (a, b), (c, d) in ((self.bands[i], self.bands[j]) for i, j in pairs)
+        ]
         if rest and width > k:
-            self.rest_part = like.new_empty(width - k, k)
-            self.rest = torch.zeros(width - k, k, dtype=torch.float64, device=like.device)
+            shapes.append((width - k, k))
+        flat32, flat64 = scratch
+        self.device = flat64.device
+        flat64[: sum(r * c for r, c in shapes)].zero_()
+        views32, views64, at = [], [], 0
+        for r, c in shapes:
+            views32.append(flat32[at : at + r * c].view(r, c))
+            views64.append(flat64[at : at + r * c].view(r, c))
+            at += r * c
+        self.blocks = list(zip(pairs, views32[: len(pairs)], views64[: len(pairs)], strict=True))
+        self.rest: Tensor | None = views64[-1] if len(shapes) > len(pairs) else None
+        self.rest_part = views32[-1] if self.rest is not None else None
 
     def add(self, a: Tensor) -> None:
         """One batch's activations [tokens, width] (the kept columns first)."""
-        for (i, j), part in self.part.items():
+        for (i, j), part, total in self.blocks:
             (r0, r1), (c0, c1) = self.bands[i], self.bands[j]
-            self.sums[i, j] += torch.mm(a[:, r0:r1].T, a[:, c0:c1], out=part)
+            total += torch.mm(a[:, r0:r1].T, a[:, c0:c1], out=part)
         if self.rest is not None:
             self.rest += torch.mm(a[:, self.k :].T, a[:, : self.k], out=self.rest_part)
 
     def full(self) -> Tensor:
         """The Gram matrix of the first ``k`` columns [k, k], float64."""
         g = torch.empty(self.k, self.k, dtype=torch.float64, device=self.device)
-        for (i, j), total in self.sums.items():
+        for (i, j), _, total in self.blocks:
             (r0, r1), (c0, c1) = self.bands[i], self.bands[j]
             g[r0:r1, c0:c1] = total
             if i != j:
@@ -238,6 +246,9 @@ def least_squares(
     # the per-batch cross sums in float32, added into the float64 ones: a buffer reused across
     # batches (as many short-lived blocks of these sizes fragment the C heap on CPU)
     part_x = h.new_empty(stack.hidden_size * inter) if stream else None
+    scratch = (h.new_empty(inter * inter), h.new_empty(inter * inter, dtype=torch.float64))
+    wg0, _, wd0 = stack.ffn_weights(0)
+    buf_g, buf_u, buf_d = torch.empty_like(wg0), torch.empty_like(wg0), torch.empty_like(wd0)
     last = stack.num_virtual - 1
     with Progress("[LS] least squares", stack.num_virtual, "layers", log) as progress:
         for v in range(stack.num_virtual):
@@ -251,8 +262,10 @@ def least_squares(
             dropped = torch.ones(inter, dtype=torch.bool)
             dropped[cols] = False
             order = torch.cat([cols, torch.nonzero(dropped).squeeze(1)]).to(device)
-            pg, pu, pd = wg[order], wu[order], wd[:, order]
-            sums = _Gram(k, inter, not stream, h, blocks=1 if select else 4)
+            pg = torch.index_select(wg, 0, order, out=buf_g)  # the permuted FFN, in buffers
+            pu = torch.index_select(wu, 0, order, out=buf_u)
+            pd = torch.index_select(wd, 1, order, out=buf_d)
+            sums = _Gram(k, inter, not stream, scratch, blocks=1 if select else 4)
             cross = torch.zeros(stack.hidden_size, k, dtype=torch.float64, device=device)
             part = part_x[: cross.numel()].view(cross.shape) if part_x is not None else None
             for i in range(0, n, batch):
@@ -299,7 +312,10 @@ def least_squares(
             if v + stack.num_layers > last:  # no later visit of this layer adds to its equations
                 del normals[li]
             out[li] = (wg, wu, down)
-            kg, ku, d = wg[kept], wu[kept], gate[kept]
+            kg, ku, d = pg[:k], pu[:k], gate[kept]  # the kept neurons lead the permuted copy
+            if select:  # chosen after the copy was made: their rows, in the buffers' heads
+                kg = torch.index_select(wg, 0, kept, out=buf_g[: kept.numel()])
+                ku = torch.index_select(wu, 0, kept, out=buf_u[: kept.numel()])
             for i in range(0, n, batch):  # the repaired layer: its kept neurons only
                 x = h[i : i + batch]
                 a = stack.activations(stack.ffn_input(li, x), kg, ku).mul_(d)
