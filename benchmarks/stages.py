@@ -142,13 +142,28 @@ def _addmm_(self_shape, a_shape, b_shape, **_) -> int:
     return 2 * a_shape[0] * a_shape[1] * b_shape[1]
 
 
+def _cholesky(a_shape, *_, **__) -> int:
+    return a_shape[-1] ** 3 // 3
+
+
+def _cholesky_solve(b_shape, l_shape, *_, **__) -> int:
+    return 2 * l_shape[-1] ** 2 * b_shape[-1]
+
+
 def counted(fn) -> float:
     """The GEMM FLOP ``fn`` runs (torch's FlopCounterMode; its table leaves out the in-place
-    ``addmm_`` that the head's blocks accumulate with, counted here)."""
+    ``addmm_`` that the head's blocks accumulate with and least squares' Cholesky factor and
+    solve, counted here)."""
     import torch  # lazy: torch
     from torch.utils.flop_counter import FlopCounterMode  # lazy: torch
 
-    extra = {torch.ops.aten.addmm_: _addmm_}
+    aten = torch.ops.aten
+    extra = {
+        aten.addmm_: _addmm_,
+        aten.linalg_cholesky_ex: _cholesky,
+        aten._cholesky_solve_helper: _cholesky_solve,
+        aten.cholesky_solve: _cholesky_solve,
+    }
     with FlopCounterMode(display=False, custom_mapping=extra) as counter:
         fn()
     return float(counter.get_total_flops())
