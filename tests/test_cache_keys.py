@@ -26,6 +26,7 @@ NOT_COMPUTING = {
     "bake.tracking.console",
     "bake.models.loader",  # the loaded weights: their identity, the model key, is in the key
     "bake.config.schema",  # the settings' types; their resolved values are in the key
+    "bake.phases.stream",  # writes the unpruned stream least squares reads; Phase A never does
 }
 
 

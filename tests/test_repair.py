@@ -146,6 +146,9 @@ def test_least_squares_in_place_ships_its_solution_or_the_backbone(
     run = last_run(tmp_path / "ls")
     assert report(run)["least_squares"]["improved"] is kept
     assert not list((run / "checkpoints").glob("least_squares_start*"))
+    # the unpruned stream came from FLAP's statistics pass (bake.phases.stream), and is gone
+    assert "stream: read from the statistics pass" in (run / "bake.log").read_text()
+    assert not list((run / "checkpoints").glob("unpruned_stream*"))
     got = load_file(run / "model" / "model.safetensors")
     if kept:
         solved = load_file(run / "checkpoints" / "least_squares.safetensors")

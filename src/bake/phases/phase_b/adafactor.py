@@ -8,9 +8,9 @@ mmap threshold, they fragment the heap and about a second set of the gradients s
 (measured on SmolLM2: Phase B's peak 1962 MiB, against 1637 MiB with every such block mapped and
 given back). Here each update is formed in place in one buffer the size of the largest
 parameter, kept across steps, with no per-parameter allocation, and in fewer passes over the
-gradient (the RMS a dot product, the step size and the clip one scaled add): about eleven reads
-and writes of a parameter's size instead of eighteen. The numbers equal transformers' to float
-rounding (tests/test_phase_b.py).
+gradient (the step size and the RMS clip one scaled add): about twelve reads and writes of a
+parameter's size instead of eighteen. The numbers equal transformers' to float rounding
+(tests/test_phase_b.py).
 """
 
 from __future__ import annotations
@@ -74,6 +74,7 @@ class Adafactor(torch.optim.Optimizer):
             v = state["exp_avg_sq"]
             v.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2).add_(EPS_SQUARE * (1.0 - beta2))
             torch.rsqrt(v, out=u).mul_(grad)
-        flat = u.view(-1)
-        rms = math.sqrt(float(torch.dot(flat, flat)) / flat.numel())
+        # the norm, not a BLAS dot: the same bits whatever the thread count (a resumed job may
+        # run on fewer threads than the bake it resumes)
+        rms = float(torch.linalg.vector_norm(u)) / math.sqrt(u.numel())
         p.add_(u, alpha=-lr / max(rms / CLIP, 1.0))
