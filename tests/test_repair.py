@@ -278,7 +278,7 @@ def test_least_squares_reads_the_unpruned_stream_the_statistics_pass_wrote(tmp_p
     physical = keep.view(loops, 3, -1).any(dim=0)
     stream = Stream(tmp_path / "stream.f32", stack.num_virtual, 5, 24, stack.hidden_size)
     scores.activation_stats(stack, calib, batch=2, stream=stream)  # 7 chunks, 5 written
-    assert stream.ready() and not (tmp_path / "stream.f32.partial").exists()
+    assert stream.ready() and not list(tmp_path.glob(".stream.f32.*"))  # no temporary left
     reader = Reader(stream)
     got = repair.least_squares(
         stack, calib[:5], keep.clone(), physical.clone(), 1e-3, 2, drift=0.5, unpruned=reader

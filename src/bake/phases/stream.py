@@ -15,7 +15,6 @@ does when the statistics came from the cache, or the file would not fit on the d
 from __future__ import annotations
 
 import logging
-import os
 import shutil
 from dataclasses import dataclass
 from pathlib import Path
@@ -57,33 +56,23 @@ class Stream:
 
 
 class Writer:
-    """Writes a :class:`Stream` as the statistics pass goes (``record`` is its ``after``
-    observer); :meth:`close` renames the complete file into place."""
+    """Writes a :class:`Stream` into ``path`` (a temporary file that
+    :func:`bake.storage.files.atomic_write` renames into place) as the statistics pass goes."""
 
-    def __init__(self, stream: Stream):
+    def __init__(self, stream: Stream, path: Path):
         self.stream = stream
-        self.partial = stream.path.with_name(stream.path.name + ".partial")
-        self.partial.parent.mkdir(parents=True, exist_ok=True)
-        self.file = open(self.partial, "wb")  # noqa: SIM115 (closed by close/abort)
+        self.file = open(path, "wb")  # noqa: SIM115 (closed by the pass, before the rename)
         self.file.truncate(stream.nbytes)
-        self.start = 0  # the first chunk of the batch being run
 
-    def record(self, v: int, h: Tensor) -> None:
+    def record(self, v: int, h: Tensor, start: int) -> None:
+        """Layer ``v``'s stream ``h`` [batch, seq, hidden] of the batch from chunk ``start``."""
         s = self.stream
-        rows = h[: max(0, s.chunks - self.start)]
+        rows = h[: max(0, s.chunks - start)]
         if not rows.shape[0]:
             return
-        self.file.seek(s._offset(v, self.start))
+        self.file.seek(s._offset(v, start))
         rows = rows.detach().to("cpu", torch.float32).contiguous()  # as it is, on CPU in fp32
         self.file.write(memoryview(rows.numpy()).cast("B"))  # type: ignore[arg-type]
-
-    def close(self) -> None:
-        self.file.close()
-        os.replace(self.partial, self.stream.path)
-
-    def abort(self) -> None:
-        self.file.close()
-        self.partial.unlink(missing_ok=True)
 
 
 class Reader:

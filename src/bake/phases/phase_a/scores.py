@@ -21,7 +21,9 @@ logits.
 from __future__ import annotations
 
 import logging
+from contextlib import ExitStack
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -69,21 +71,18 @@ def activation_stats(
         squares[v] += torch.linalg.vector_norm(a, dim=0).double().square_().cpu()
 
     starts = range(0, calib.shape[0], batch)
-    writer = Writer(stream) if stream is not None else None
-    try:
+    with ExitStack() as files:
+        writer = None
+        if stream is not None:
+            writer = Writer(stream, files.enter_context(atomic_write(stream.path)))
+            files.callback(writer.file.close)  # closed before the rename
         with Progress("[A] activation statistics", len(starts), "batches", log) as progress:
             for i in starts:
                 after = None
                 if writer is not None and i < writer.stream.chunks:
-                    writer.start, after = i, writer.record
+                    after = partial(writer.record, start=i)
                 stack.hidden(calib[i : i + batch].to(stack.device), observe=observe, after=after)
                 progress.advance()
-    except BaseException:
-        if writer is not None:
-            writer.abort()
-        raise
-    if writer is not None:
-        writer.close()
     return ActivationStats(total, squares, int(calib.numel()))
 
 
