@@ -37,6 +37,14 @@ tables:
 - ls: least squares alone (no Phase B) over 24, 48, 96 and 240 calibration chunks at 20%.
 - corpus: a second corpus of another kind (the C++ headers shipped in the torch wheel) at 20%
   and 40%: the default against the baselines.
+- skill: `model=qwen2_5_coder` (its model config judges every export on HumanEval) with one
+  lever changed at a time, judged by pass@1 first: the dense row, the default at 10, 20 and
+  30%, and at 20% least squares over more chunks, no Phase B, distillation from the backbone
+  (KL only, and half KL half cross-entropy), the structure chosen by reconstruction, a lower
+  learning-rate probe, FLAP's per-layer widths. Beside pass@1, the signals on held-out text
+  that never touch the judged problems: KL(backbone || export) per token and how often the
+  export's most likely next token is the backbone's (greedy decoding follows it), on the
+  held-out split and outside the corpus.
 """
 
 from __future__ import annotations
@@ -145,11 +153,40 @@ PROBE_MODELS = {
 LS_CHUNKS = (24, 48, 96, 240)
 
 
+# The levers judged by the skill (HumanEval pass@1) on the coder model, each with its own recipe
+# counts (conf/model_recipe/qwen2_5_coder.yaml) and one setting changed.
+SKILL_MODEL = ["model=qwen2_5_coder"]
+SKILL = {  # row name: (its label, the target, its overrides)
+    "skill-default-20": ("default", 0.2, []),
+    "skill-ls96-20": ("least squares over 96 chunks", 0.2, ["phase_b.ls_chunks=96"]),
+    "skill-no-phase-b-20": ("no Phase B (FLAP + least squares)", 0.2, ["phase_b.enabled=false"]),
+    "skill-distill-20": ("distillation 1 (KL only) from the backbone", 0.2, ["phase_b.distill=1"]),
+    "skill-mix-20": ("distillation 0.5 from the backbone", 0.2, ["phase_b.distill=0.5"]),
+    "skill-reconstruction-20": (
+        "structure chosen by reconstruction",
+        0.2,
+        ["phase_a=reconstruction"],
+    ),
+    "skill-low-lr-20": (
+        "probe of lower learning rates (3e-5, 1e-5, 3e-6)",
+        0.2,
+        ["phase_b.lr_probe=[0.3,0.1,0.03]"],
+    ),
+    "skill-widths-20": (
+        "FLAP's per-layer widths (export.uniform_inter=false)",
+        0.2,
+        ["export.uniform_inter=false"],
+    ),
+    "skill-default-10": ("default", 0.1, []),
+    "skill-default-30": ("default", 0.3, []),
+}
+
+
 def default_method() -> str:
     """The default's Phase A method (a baseline equal to it is the default's own row)."""
     from benchmarks.common import compose
 
-    return str(compose([]).phase_a.method.value)
+    return str(compose([]).phase_a.method)
 
 
 def headers_glob() -> str:
@@ -232,6 +269,21 @@ def rows() -> dict[str, dict]:
             "setting": f"model=qwen2_5_coder, {'dense' if t == 0 else 'default'}",
             "target": t,
             "args": ["model=qwen2_5_coder"],
+            "compare": False,
+        }
+    out["skill-dense-0"] = {
+        "table": "skill",
+        "setting": "dense (nothing removed)",
+        "target": 0.0,
+        "args": SKILL_MODEL,
+        "compare": False,
+    }
+    for name, (label, t, args) in SKILL.items():
+        out[name] = {
+            "table": "skill",
+            "setting": label,
+            "target": t,
+            "args": [*SKILL_MODEL, *args],
             "compare": False,
         }
     for n in LS_CHUNKS:
@@ -368,10 +420,11 @@ def adopt_row(name: str, row: dict, run: Path) -> dict:
         cfg = OmegaConf.to_container(compose(args), resolve=False)
         for key in ("paths", "tracking", "trainer", "resume"):
             cfg.pop(key, None)
+        cfg["export"].pop("gguf", None)  # a GGUF file beside model/ changes nothing judged here
         return cfg
 
     asked = yaml.safe_load((run / ".hydra" / "overrides.yaml").read_text())
-    asked = [o for o in asked if not o.startswith(("paths.", "resume="))]
+    asked = [o for o in asked if not o.startswith(("paths.", "resume=", "export.gguf="))]
     if settings(asked) != settings(overrides(row)):
         raise SystemExit(f"--adopt {name}: {run} was baked with {asked}, not the row's settings")
     report = json.loads((run / "report.json").read_text())
@@ -424,7 +477,6 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
     )
     check = outside_chunks(model.tokenizer, packages=OUTSIDE_CHECK)
     exported_check = math.nan if trimmed else perplexity(*artifact_nll(artifact, check, 4, "fp32"))
-    del artifact
     stack = model.stack
     for name, chunks in (("outside", outside), ("check", check)):
         key = (name, rep["model"]["key"])
@@ -440,6 +492,10 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
         "wanda_ls_outside": math.nan,
         "torch_threads": torch.get_num_threads(),
     }
+    if result.get("table") == "skill" and not trimmed:
+        for name, chunks in (("held", corpus.held), ("outside", outside)):
+            extra[f"agreement_{name}"] = agreement(model.lm, artifact, chunks)
+    del artifact
     if result.get("speed"):
         extra["speed"] = speed(Path(result["run"]) / "model")
         full = OUT / f"{result['speed']}.json"  # the same bake exported with every token
@@ -466,6 +522,25 @@ def extra_evaluations(result: dict, cache: Path) -> dict:
         "wanda_ls_outside": ppl(outside),
         "wanda_ls_widths": widths,
     }
+
+
+def agreement(backbone, artifact, chunks, batch: int = 4) -> dict:
+    """How close the artifact's next-token distributions stay to the backbone's on ``chunks``
+    [n, seq]: KL(backbone || artifact) per position (nats), and the fraction of positions
+    whose most likely token is the backbone's. Plain torch on both models' logits."""
+    import torch
+
+    kl = top1 = 0.0
+    n = 0
+    with torch.inference_mode():
+        for i in range(0, chunks.shape[0], batch):
+            ids = chunks[i : i + batch]
+            log_b = torch.log_softmax(backbone(ids).logits[:, :-1].float(), dim=-1)
+            log_a = torch.log_softmax(artifact(ids).logits[:, :-1].float(), dim=-1)
+            kl += float((log_b.exp() * (log_b - log_a)).sum())
+            top1 += float((log_b.argmax(-1) == log_a.argmax(-1)).sum())
+            n += ids.shape[0] * (ids.shape[1] - 1)
+    return {"kl": kl / n, "top1": top1 / n, "positions": n}
 
 
 def speed(model_dir: Path, repeats: int = 3) -> dict:
@@ -588,6 +663,33 @@ def line(r: dict, dense: dict | None = None) -> str:
     return " ".join(cells)
 
 
+def skill_line(r: dict) -> str:
+    """A lever judged by the skill: exported sparsity, the export's pass@1 and its ratio to the
+    backbone's, test and outside perplexity against the backbone's, the agreement with the
+    backbone on held-out text and outside the corpus, wall time."""
+    rep, ex = r["report"], r["extra"]
+    task = rep.get("task") or {}
+    got, base = task.get("exported") or {}, task.get("backbone") or {}
+    ppl = rep["perplexity"]
+    back_test = ppl.get("test_backbone") or math.nan
+    held, out = ex.get("agreement_held") or {}, ex.get("agreement_outside") or {}
+    ratio = task.get("ratio")
+    cells = [
+        f"{r['setting']:<52}",
+        f"{100 * rep['export']['pruned_ratio']:>6.2f}%",
+        f"{got.get('passed', '-'):>4}/{got.get('problems', '-'):<4}",
+        f"{math.nan if ratio is None else ratio:>6.3f}",
+        f"{ppl['test_exported'] / back_test:>6.3f}",
+        f"{ex['exported_outside'] / ex['backbone_outside']:>6.3f}",
+        f"{held.get('kl', math.nan):>7.4f}",
+        f"{held.get('top1', math.nan):>6.3f}",
+        f"{out.get('kl', math.nan):>7.4f}",
+        f"{out.get('top1', math.nan):>6.3f}",
+        f"{r['wall_s'] / 60:>6.1f}",
+    ]
+    return " ".join(cells) + f"   (backbone {base.get('passed', '-')}/{base.get('problems', '-')})"
+
+
 def memory_line(r: dict, before: dict | None) -> str:
     """A memory setting: test perplexity against the previous default (memory-0: Adam, no
     checkpointing), the peak resident memory, its ratio to the loaded model, the stage that sets
@@ -629,6 +731,15 @@ def tables() -> str:
             f"{'/load':>6} {'peak stage':<14} {'B min':>6} {'min':>6}",
         ]
         out += [memory_line(r, done.get("memory-0")) for r in memory]
+    skill = [r for n, r in done.items() if n.startswith("skill-")]
+    if skill:
+        out += [
+            "",
+            "[skill]",
+            f"{'setting':<52} {'pruned':>7} {'pass@1':>9} {'/back':>6} {'test':>6} "
+            f"{'outside':>6} {'held KL':>7} {'top-1':>6} {'out KL':>7} {'top-1':>6} {'min':>6}",
+        ]
+        out += [skill_line(r) for r in sorted(skill, key=lambda r: (r["target"], r["setting"]))]
     names = [*(f"ls-{n}-20" for n in LS_CHUNKS), "ls-reconstruction-240-20"]
     ls = [done[n] for n in names if n in done]
     if ls:
@@ -673,7 +784,7 @@ def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawTextHelpFormatter)
     p.add_argument(
         "--tables",
-        default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,widths,probe,corpus,ls",
+        default="main,budget,vocab,gemma3,qwen2_5_coder,memory,ablation,widths,probe,corpus,ls,skill",
     )
     p.add_argument("--rows", default="", help="comma-separated row names (default: the tables')")
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
