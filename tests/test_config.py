@@ -351,6 +351,7 @@ def test_what_a_model_recipe_set_is_named_less_what_the_command_line_set():
     assert recipe_values("qwen2_5_coder", ["phase_b.steps=30"]) == {
         "corpus.calib_chunks": 96,
         "phase_b.ls_chunks": 48,
+        "phase_b.distill": 1,
     }
     assert recipe_values(None, []) == {}
 
@@ -392,7 +393,7 @@ def test_cfg_job_says_which_values_the_model_recipe_set(capsys):
     last = capsys.readouterr().out.strip().splitlines()[-1]
     assert last == (
         "# set by the model recipe conf/model_recipe/qwen2_5_coder.yaml: "
-        "corpus.calib_chunks=96, phase_b.ls_chunks=48"
+        "corpus.calib_chunks=96, phase_b.ls_chunks=48, phase_b.distill=1"
     )
 
 
