@@ -154,14 +154,14 @@ LS_CHUNKS = (24, 48, 96, 240)
 
 
 # The levers judged by the skill (HumanEval pass@1) on the coder model, each with its own recipe
-# counts (conf/model_recipe/qwen2_5_coder.yaml) and one setting changed.
+# (conf/model_recipe/qwen2_5_coder.yaml) and one setting changed.
 SKILL_MODEL = ["model=qwen2_5_coder"]
 SKILL = {  # row name: (its label, the target, its overrides)
-    "skill-default-20": ("default", 0.2, []),
-    "skill-ls96-20": ("least squares over 96 chunks", 0.2, ["phase_b.ls_chunks=96"]),
-    "skill-no-phase-b-20": ("no Phase B (FLAP + least squares)", 0.2, ["phase_b.enabled=false"]),
-    "skill-distill-20": ("distillation 1 (KL only) from the backbone", 0.2, ["phase_b.distill=1"]),
+    "skill-default-20": ("default: distillation 1 (KL only) from the backbone", 0.2, []),
+    "skill-ce-20": ("cross-entropy repair (phase_b.distill=0)", 0.2, ["phase_b.distill=0"]),
     "skill-mix-20": ("distillation 0.5 from the backbone", 0.2, ["phase_b.distill=0.5"]),
+    "skill-no-phase-b-20": ("no Phase B (FLAP + least squares)", 0.2, ["phase_b.enabled=false"]),
+    "skill-ls96-20": ("least squares over 96 chunks", 0.2, ["phase_b.ls_chunks=96"]),
     "skill-reconstruction-20": (
         "structure chosen by reconstruction",
         0.2,
@@ -271,11 +271,11 @@ def rows() -> dict[str, dict]:
             "args": ["model=qwen2_5_coder"],
             "compare": False,
         }
-    out["skill-dense-0"] = {
+    out["skill-dense-0"] = {  # cross-entropy: distillation would teach the backbone itself
         "table": "skill",
-        "setting": "dense (nothing removed)",
+        "setting": "dense (nothing removed, cross-entropy repair)",
         "target": 0.0,
-        "args": SKILL_MODEL,
+        "args": [*SKILL_MODEL, "phase_b.distill=0"],
         "compare": False,
     }
     for name, (label, t, args) in SKILL.items():
