@@ -17,6 +17,7 @@ from torch import Tensor
 
 from bake.corpus.splits import bos_prefix
 from bake.models import bpb
+from bake.models.agreement import Agreement, Reference
 from bake.models.baked import load_baked
 from bake.models.stack import autocast_for, perplexity
 
@@ -63,11 +64,15 @@ def next_token_nll(logits: Tensor, ids: Tensor) -> float:
 
 @torch.inference_mode()
 def artifact_nll(
-    model: PreTrainedModel | LoopedCausalLM, chunks: Tensor, batch_size: int, precision: str
+    model: PreTrainedModel | LoopedCausalLM,
+    chunks: Tensor,
+    batch_size: int,
+    precision: str,
+    each: Callable[[Tensor], None] | None = None,
 ) -> tuple[float, int]:
     """Summed next-token NLL of ``chunks`` [n, seq] under ``model(ids).logits``, and the number
     of scored positions; under the evaluations' autocast, a few sequences per forward so the
-    full logits stay small."""
+    full logits stay small. ``each``: also called with every forward's logits, in order."""
     device = next(model.parameters()).device
     seq = chunks.shape[1]
     per_forward = max(1, min(batch_size, LOGITS_BUDGET // max(1, seq * model.config.vocab_size)))
@@ -75,7 +80,10 @@ def artifact_nll(
     with autocast_for(device, precision):
         for i in range(0, chunks.shape[0], per_forward):
             ids = chunks[i : i + per_forward].to(device)
-            total += next_token_nll(model(ids).logits, ids)
+            logits = model(ids).logits
+            total += next_token_nll(logits, ids)
+            if each is not None:
+                each(logits)
             count += ids.shape[0] * (seq - 1)
     return total, count
 
@@ -94,11 +102,14 @@ def measure(
     batch_size: int,
     precision: str,
     trimmed: bool,
+    references: dict[str, Reference] | None = None,
 ) -> dict:
     """The artifact loaded as a user loads it, measured on each split: perplexity per token and
     bits per byte (:mod:`bake.models.bpb`) with its own tokenizer. ``chunks`` are the splits in the
     source's token ids; a trimmed vocabulary scores the splits' TEXT instead (``ppl_*`` is then
-    per token of its own tokenization)."""
+    per token of its own tokenization). ``references``: split -> the backbone's distributions
+    on it; ``agreement_<split>`` is the artifact's agreement with them (:mod:`bake.models.
+    agreement`; None for a trimmed vocabulary, whose token ids are not the backbone's)."""
     from transformers import AutoTokenizer  # lazy: transformers
 
     model = load_artifact(model_dir, fmt, device)
@@ -116,7 +127,12 @@ def measure(
             out[f"ppl_{split}"] = bpb.per_token(nll, data)
             out[f"text_nll_{split}"] = nll
         else:
-            out[f"ppl_{split}"] = perplexity(*artifact_nll(model, ids, batch_size, precision))
+            ref = (references or {}).get(split)
+            agree = None if ref is None else Agreement(ref)
+            each = None if agree is None else agree.add
+            out[f"ppl_{split}"] = perplexity(*artifact_nll(model, ids, batch_size, precision, each))
+            if agree is not None:
+                out[f"agreement_{split}"] = agree.result()
     return out
 
 

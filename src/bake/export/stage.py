@@ -140,6 +140,7 @@ def _write(
             s.eval_batch,
             s.precision,
             trim is not None,
+            None if trim is not None else ctx.references,
         )
         if measured["ppl_held"] is None:
             raise BakeError("export: the held-out split is empty; nothing to measure it on")

@@ -9,6 +9,7 @@ one device in one precision (:meth:`RunContext.held_ppl`).
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -17,12 +18,13 @@ import torch
 from torch import Tensor
 
 from bake.models import loader
-from bake.models.stack import FfnOverride, held_nll, perplexity
+from bake.models.stack import FfnOverride, autocast_for, held_nll, perplexity
 from bake.ranks import rank_zero
 from bake.tracking import measure
 
 if TYPE_CHECKING:
     from bake.corpus.splits import Corpus
+    from bake.models.agreement import Reference
     from bake.models.loader import LoadedModel
     from bake.models.vocab import Trim
     from bake.phases.phase_a.results import PhaseAResult, Selection
@@ -64,6 +66,9 @@ class RunContext:
     ignored: list  # command-line keys nothing reads
     recipe: dict | None  # the model recipe and the values it set (conf/model_recipe/)
     plan: dict | None  # the memory plan made before loading (bake.memory.budget)
+    # split -> the backbone's next-token distributions (bake.models.agreement), taken before
+    # anything changes its weights; the export's agreement with them goes to the report
+    references: dict[str, Reference] = field(default_factory=dict, repr=False)
 
     @property
     def cache(self) -> Path:
@@ -96,6 +101,18 @@ class RunContext:
         loader.forget_all()
         del self.model
         measure.collect()
+
+    def logits_fn(self) -> Callable[[Tensor], Tensor]:
+        """``ids -> logits`` [batch, seq, vocab] of the model as it is now (every neuron), on
+        the evaluations' device and precision, float32 (:mod:`bake.models.agreement`)."""
+        stack = self.model.stack
+
+        def logits(ids: Tensor) -> Tensor:
+            with torch.inference_mode(), autocast_for(self.device, self.precision):
+                hn = stack.hidden(ids.to(self.device))
+            return hn.float() @ stack.head.weight.float().T
+
+        return logits
 
     def held_ppl(
         self, gates: Tensor | None = None, ffn: FfnOverride | None = None, chunks=None

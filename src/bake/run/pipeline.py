@@ -28,7 +28,7 @@ from bake.corpus.splits import (
 from bake.errors import BakeError
 from bake.export import stage as export
 from bake.export.artifact import scored_texts
-from bake.models import bpb, vocab
+from bake.models import agreement, bpb, vocab
 from bake.models.frozen import store_bf16
 from bake.models.loader import forget, load_model
 from bake.phases import ship, structure
@@ -259,6 +259,8 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     s = ctx.settings
     backbone = _timed(ctx.seconds, ctx.memory, "backbone_eval", ctx.held_ppl)
     backbone_test = ctx.held_ppl(chunks=ctx.corpus.test) if ctx.corpus.test.numel() else None
+    if ctx.corpus.test.numel():
+        ctx.references["test"] = agreement.reference(ctx.logits_fn(), ctx.corpus.test)
     log.info(
         "baseline (full): held-out %.3f (%.4f bits/byte)", backbone, ctx.bpb.get("held", math.nan)
     )

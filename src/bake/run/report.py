@@ -60,6 +60,7 @@ def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
         "least_squares": out.least_squares.info,
         "phase_b": out.final.info,
         "export": _export_info(ctx, ex) | {"gguf": ex.gguf},
+        "agreement": _agreement_info(measured),
         "task": ex.task,
         "parameters": {"before": ex.params_before, "after": ex.params_after},
         "seconds": dict(ctx.seconds),
@@ -68,6 +69,22 @@ def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
         "artifact": str(ctx.run_dir / "model"),
         "settings": {"ignored": list(ctx.ignored), "recipe": ctx.recipe},
         "config": s.config,
+    }
+
+
+def _agreement_info(measured: dict) -> dict | None:
+    """The export against the backbone's next-token distributions on the test split
+    (:mod:`bake.models.agreement`); None without a test split or with a trimmed vocabulary."""
+    test = measured.get("agreement_test")
+    if test is None:
+        return None
+    return {
+        "test": test,
+        "what": (
+            f"kl: KL(backbone || export) per next-token position in nats, over the backbone's "
+            f"{test['k']} most likely tokens and the rest as one; top1: the fraction of "
+            f"positions whose most likely token is the backbone's"
+        ),
     }
 
 
@@ -137,6 +154,7 @@ def track(ctx: RunContext, report: dict) -> None:
     """The report's final metrics and artifacts, in the run's MLflow run."""
     run_dir = ctx.run_dir
     ppl, ex = report["perplexity"], report["export"]
+    agree = (report.get("agreement") or {}).get("test") or {}
     ctx.tracker.metrics(
         {
             "final/backbone_ppl": ppl["backbone"],
@@ -151,6 +169,8 @@ def track(ctx: RunContext, report: dict) -> None:
             "export/revived": ex.get("revived"),
             "final/phase_b_lr": (report.get("phase_b") or {}).get("lr"),  # the probe's choice
             "final/peak_rss_over_loaded": report.get("memory", {}).get("peak_over_loaded"),
+            "final/test_kl_to_backbone": agree.get("kl"),
+            "final/test_top1_to_backbone": agree.get("top1"),
             **task_metrics(report.get("task")),
         }
     )
@@ -237,6 +257,14 @@ def print_summary(report: dict, tcfg) -> None:
         ),
         f"  parameters           {before / 1e6:.2f}M -> {after / 1e6:.2f}M "
         f"({100 * (1 - after / before):.1f}% smaller)",
+        *(
+            [
+                f"  backbone agreement   test KL {a['kl']:.4f} nats per token, the backbone's "
+                f"top token {100 * a['top1']:.1f}% of the time"
+            ]
+            if (a := (report.get("agreement") or {}).get("test"))
+            else []
+        ),
         *([task_line(t)] if (t := report.get("task")) else []),
         *(
             [f"  GGUF                 {g['path']} ({g['architecture']}, {g['type']})"]
