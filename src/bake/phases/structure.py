@@ -137,7 +137,7 @@ def target_keep(
             f"least {narrowest} (align {align})"
         )
     alive_now = alive(logits, tau)
-    counts = _drop_lowest(logits, alive_now, budget)
+    counts = _drop_lowest(logits, alive_now, budget, narrowest)
     if uniform:
         widest = round_up(max(max(counts), 1), align, inter)
         fits = _round_down(budget // rows, align, inter)
@@ -147,14 +147,19 @@ def target_keep(
     return keep_top(logits, want)
 
 
-def _drop_lowest(logits: Tensor, alive_now: Tensor, budget: int) -> list[int]:
+def _drop_lowest(logits: Tensor, alive_now: Tensor, budget: int, floor: int = 1) -> list[int]:
     """Per-row counts of the alive neurons once the lowest-logit ones (over all rows, ties by
-    position) are dropped until at most ``budget`` stay. Rows keep their highest logits, so a
-    count per row says which neurons."""
-    counts = alive_now.sum(dim=1)
+    position) are dropped until at most ``budget`` stay. Every row keeps at least its ``floor``
+    highest (alive or not): a row emptied here would be widened again by the alignment, past
+    the budget. Rows keep their highest logits, so a count per row says which neurons."""
+    floor = min(floor, logits.shape[1])
+    protected = torch.zeros_like(alive_now).scatter_(1, logits.topk(floor, dim=1).indices, True)
+    candidates = alive_now | protected
+    counts = candidates.sum(dim=1)
     excess = int(counts.sum()) - budget
     if excess > 0:
-        flat = torch.where(alive_now, logits, torch.full_like(logits, math.inf)).flatten()
+        droppable = candidates & ~protected
+        flat = torch.where(droppable, logits, torch.full_like(logits, math.inf)).flatten()
         lowest = torch.sort(flat, stable=True).indices[:excess]
         counts = counts - torch.bincount(lowest // logits.shape[1], minlength=logits.shape[0])
     return [int(c) for c in counts]
