@@ -11,7 +11,7 @@ two figures follow the backbone's own predictions instead:
 - **top-1**: the fraction of positions whose most likely token is the backbone's.
 
 :func:`reference` takes the backbone's side once, before anything changes its weights;
-:func:`compare` scores another model's logits against it.
+:class:`Agreement` scores another model's logits against it, batch by batch.
 """
 
 from __future__ import annotations
@@ -69,7 +69,8 @@ def reference(logits_of: Callable[[Tensor], Tensor], chunks: Tensor, k: int = TO
 
 
 class Agreement:
-    """Sums of :func:`compare` over batches of the reference's chunks, in order."""
+    """The agreement of a model with a :class:`Reference`, summed over batches of its chunks in
+    order."""
 
     def __init__(self, ref: Reference):
         self.ref, self.at, self.kl, self.top1 = ref, 0, 0.0, 0

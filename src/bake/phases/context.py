@@ -110,7 +110,8 @@ class RunContext:
         def logits(ids: Tensor) -> Tensor:
             with torch.inference_mode(), autocast_for(self.device, self.precision):
                 hn = stack.hidden(ids.to(self.device))
-            return hn.float() @ stack.head.weight.float().T
+            weight = stack.head.weight  # bf16 with trainer.frozen_weights=bf16: no fp32 copy
+            return (hn.to(weight.dtype) @ weight.T).float()
 
         return logits
 
