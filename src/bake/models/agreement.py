@@ -34,7 +34,6 @@ class Reference:
     ids: Tensor  # [positions, k] int64
     logp: Tensor  # [positions, k] float32
     rest: Tensor  # [positions] float32
-    chunks: int
 
     @property
     def k(self) -> int:
@@ -65,7 +64,7 @@ def reference(logits_of: Callable[[Tensor], Tensor], chunks: Tensor, k: int = TO
         ids_.append(ids.cpu())
         logp_.append((top - lse[:, None]).cpu())
         rest_.append(_rest(rows, ids, lse).cpu())
-    return Reference(torch.cat(ids_), torch.cat(logp_), torch.cat(rest_), int(chunks.shape[0]))
+    return Reference(torch.cat(ids_), torch.cat(logp_), torch.cat(rest_))
 
 
 class Agreement:

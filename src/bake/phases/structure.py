@@ -152,8 +152,7 @@ def _drop_lowest(logits: Tensor, alive_now: Tensor, budget: int, floor: int = 1)
     position) are dropped until at most ``budget`` stay. Every row keeps at least its ``floor``
     highest (alive or not): a row emptied here would be widened again by the alignment, past
     the budget. Rows keep their highest logits, so a count per row says which neurons."""
-    floor = min(floor, logits.shape[1])
-    protected = torch.zeros_like(alive_now).scatter_(1, logits.topk(floor, dim=1).indices, True)
+    protected = keep_top(logits, [min(floor, logits.shape[1])] * logits.shape[0])
     candidates = alive_now | protected
     counts = candidates.sum(dim=1)
     excess = int(counts.sum()) - budget
