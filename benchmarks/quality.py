@@ -177,6 +177,11 @@ SKILL = {  # row name: (its label, the target, its overrides)
         0.2,
         ["export.uniform_inter=false"],
     ),
+    "skill-agreement-20": (
+        "repairs kept by held-out KL to the backbone (phase_b.select=agreement)",
+        0.2,
+        ["phase_b.select=agreement"],
+    ),
     "skill-default-10": ("default", 0.1, []),
     "skill-default-30": ("default", 0.3, []),
 }

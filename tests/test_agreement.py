@@ -95,3 +95,92 @@ def test_the_report_holds_the_exports_agreement_with_the_backbone(tmp_path, docs
     assert got["k"] == 64
     assert got["kl"] == pytest.approx(kl, rel=1e-4) and got["kl"] > 0
     assert got["top1"] == pytest.approx(top1, abs=1.5 / (test.shape[0] * (test.shape[1] - 1)))
+
+
+@pytest.mark.parametrize("k, vocab, budget", [(4, 40, 1 << 22), (40, 40, 1 << 22), (5, 3000, 2048)])
+def test_head_scores_equal_the_definition_block_by_block(monkeypatch, k, vocab, budget):
+    """head_scores' one pass over vocabulary blocks (several where the budget is small) against
+    the plain float64 loop: KL, top-1 (a tie between two blocks' maxima goes to the lower id,
+    as argmax), and -log p(target) from log_softmax. The head is the identity, so the rows are
+    the logits."""
+    from bake.models import stack as stack_mod
+    from bake.models.agreement import head_scores
+
+    monkeypatch.setattr(stack_mod, "LOGIT_BUDGET", budget)
+    g = torch.Generator().manual_seed(1)
+    back = torch.randn(2, 9, vocab, generator=g) * 3
+    model = back + torch.randn(2, 9, vocab, generator=g)
+    model[0, 3, 7] = model[0, 3].max() + 1  # two equal maxima, far apart in the vocabulary
+    model[0, 3, vocab - 2] = model[0, 3, 7]
+    back[0, 3, vocab - 2] = back[0, 3].max() + 2  # the backbone's top: the higher of the two
+    chunks = torch.arange(2)[:, None].expand(2, 9)
+    ref = reference(lambda ids: back[int(ids[0, 0]) : int(ids[0, 0]) + 1], chunks, k)
+    targets = torch.randint(0, vocab, (2 * 8,), generator=g)
+    rows = model[:, :-1].reshape(-1, vocab)
+    nll, kl, same = head_scores(rows, torch.eye(vocab), targets, ref)
+    want_kl, want_top1 = plain(back, model, k)
+    want_nll = -rows.double().log_softmax(-1).gather(1, targets[:, None]).squeeze(1)
+    assert float(kl.double().mean()) == pytest.approx(want_kl, rel=1e-5)
+    assert float(same.double().mean()) == pytest.approx(want_top1, abs=1e-12)
+    assert not bool(same[3])  # the tie: 7 wins, the backbone's top is vocab - 2
+    assert nll.double().tolist() == pytest.approx(want_nll.tolist(), rel=1e-5)
+
+
+def first_below(figures: list[float], start: float) -> int | None:
+    """The selection rule written out: the first strict minimum below ``start``."""
+    best, kept = start, None
+    for i, f in enumerate(figures):
+        if f < best:
+            best, kept = f, i
+    return kept
+
+
+@pytest.mark.bake
+def test_repairs_kept_by_agreement(tmp_path, docs_dir):
+    """phase_b.select=agreement: least squares, the learning rate probe and Phase B's
+    evaluations are kept by held-out KL to the backbone. The report's held-out KL of what ships
+    equals the definition over stock transformers' logits of the backbone and of the artifact on
+    the held-out chunks, and every choice follows the rule over the KL figures reported."""
+    from transformers import AutoModelForCausalLM
+
+    from bake.corpus.splits import load_corpus
+    from bake.models.loader import load_model
+
+    extra = (
+        "phase_a=wanda_sp",
+        "phase_a.target_sparsity=0.3",
+        "phase_b.select=agreement",
+        "phase_b.lr_probe=[1,0.1]",
+        "phase_b.lr_probe_steps=4",
+        "phase_b.all_layers=true",
+        "tracking.enabled=false",
+    )
+    assert run_bake(tiny_args(tmp_path, docs_dir, *extra)) == 0
+    rep = report(last_run(tmp_path))
+    cfg = compose(tiny_args(tmp_path, docs_dir, *extra))
+    model = load_model(cfg.model, tmp_path / "cache")
+    held = load_corpus(
+        cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, tmp_path / "cache"
+    ).held
+    art = AutoModelForCausalLM.from_pretrained(last_run(tmp_path) / "model", dtype=torch.float32)
+    with torch.no_grad():
+        kl, _ = plain(model.lm(held).logits, art.eval()(held).logits, 64)
+    got = rep["agreement"]["held"]
+    assert got["overlaid"] == pytest.approx(kl, rel=1e-4) and kl > 0
+
+    ls, b = rep["least_squares"], rep["phase_b"]
+    assert ls["improved"] == (ls["held_kl"] < got["masked"])
+    after_ls = ls["held_kl"] if ls["improved"] else got["masked"]
+    assert got["least_squares"] == pytest.approx(after_ls, abs=1e-12)
+    probe = b["lr_probe"]
+    chosen = min(range(2), key=lambda i: probe["held_kl"][i])
+    assert probe["lr"] == probe["rates"][chosen]
+    # Phase B's first evaluation is the chosen candidate's (same start, chunks and schedule)
+    first = b["evaluations"][0]
+    assert first["step"] == 4
+    assert first["held_kl"] == pytest.approx(probe["held_kl"][chosen], rel=1e-6)
+    assert first["held_ppl"] == pytest.approx(probe["held_ppl"][chosen], rel=1e-6)
+    kept = first_below([e["held_kl"] for e in b["evaluations"]], after_ls)
+    assert b["improved"] == (kept is not None)
+    want = after_ls if kept is None else b["evaluations"][kept]["held_kl"]
+    assert got["overlaid"] == pytest.approx(want, abs=1e-12)

@@ -535,7 +535,7 @@ def test_printed_commands_survive_a_shell_and_hydra(path):
 @pytest.mark.parametrize(
     "override, choices",
     [
-        ("export.gguf=bogus", "none, f32, f16, bf16, q8_0, q4_k_m, q5_k_m, q6_k"),
+        ("export.gguf=bogus", "none, f32, f16, bf16, q8_0, q3_k_m, q4_k_m, q5_k_m, q6_k"),
         ("phase_b.optimizer=adam,bogus", "adam, adafactor, sgd"),
     ],
 )

@@ -69,9 +69,15 @@ class GgufType(StrEnum):
     f16 = "f16"
     bf16 = "bf16"
     q8_0 = "q8_0"
-    q4_k_m = "q4_k_m"  # the k-quants (llama-quantize): FFN widths multiples of 256
+    q3_k_m = "q3_k_m"  # the k-quants (llama-quantize): FFN widths multiples of 256
+    q4_k_m = "q4_k_m"
     q5_k_m = "q5_k_m"
     q6_k = "q6_k"
+
+
+class Select(StrEnum):
+    perplexity = "perplexity"  # the held-out text's perplexity
+    agreement = "agreement"  # KL(backbone || model) per token on the held-out text
 
 
 class Optimizer(StrEnum):
@@ -197,6 +203,11 @@ class PhaseBConf:
     # slightly better test perplexity than Adam) | sgd (momentum 0.9)
     optimizer: Optimizer = Optimizer.adafactor
     block_layers: int = 0  # 0: every trained layer at once; N: groups of N layers in turn
+    # what keeps a repair (least squares, Phase B's evaluations, the learning rate probe's
+    # choice): perplexity on the held-out text, or agreement, KL(backbone || model) per token on
+    # it (the backbone's 64 most likely tokens and the rest as one): on the coder model's skill
+    # table it orders the runs as HumanEval does where perplexity does not (docs/benchmarks.md)
+    select: Select = Select.perplexity
 
 
 @dataclass

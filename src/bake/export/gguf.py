@@ -43,7 +43,7 @@ from bake.models.families import Family
 from bake.models.sources import source_for
 
 CONVERTED = ("f32", "f16", "bf16", "q8_0")  # written by llama.cpp's converter
-KQUANTS = ("q4_k_m", "q5_k_m", "q6_k")  # by llama-quantize, from an f16 file
+KQUANTS = ("q3_k_m", "q4_k_m", "q5_k_m", "q6_k")  # by llama-quantize, from an f16 file
 TYPES = ("none", *CONVERTED, *KQUANTS)
 KQUANT_ROW = 256  # a k-quant block: every quantised row's length is a multiple of it
 PER_LAYER = "deci"  # llama.cpp's architecture of per-layer FFN widths (Llama layers)

@@ -323,7 +323,7 @@ def _head_pass(rows: Tensor, weight: Tensor, targets: Tensor, grad: bool):
     running max grows: sum_j exp(l_j - m) W_j / sum_j exp(l_j - m), then minus W[target].
     """
     n, vocab = rows.shape[0], weight.shape[0]
-    block = min(vocab, max(1024, LOGIT_BUDGET // max(n, 1)))
+    block = head_blocks(n, vocab)
     dt = torch.promote_types(rows.dtype, torch.float32)  # bf16 evaluations reduce in fp32
     m = torch.full((n,), -math.inf, dtype=dt, device=rows.device)
     s = torch.zeros(n, dtype=dt, device=rows.device)
@@ -373,14 +373,15 @@ class _HeadCrossEntropy(torch.autograd.Function):
         return grad * (grad_out / ctx.n), None, None
 
 
-def _blocks(n: int, vocab: int) -> int:
+def head_blocks(n: int, vocab: int) -> int:
+    """The vocabulary block of a head pass over ``n`` rows: at most LOGIT_BUDGET logits."""
     return min(vocab, max(1024, LOGIT_BUDGET // max(n, 1)))
 
 
 def _lse(rows: Tensor, weight: Tensor, dt: torch.dtype) -> Tensor:
     """Per-row logsumexp of ``rows @ weight.T`` over vocabulary blocks (online)."""
     n, vocab = rows.shape[0], weight.shape[0]
-    block = _blocks(n, vocab)
+    block = head_blocks(n, vocab)
     m = torch.full((n,), -math.inf, dtype=dt, device=rows.device)
     s = torch.zeros(n, dtype=dt, device=rows.device)
     for j0 in range(0, vocab, block):
@@ -403,7 +404,7 @@ class _HeadDistill(torch.autograd.Function):
         dt = torch.promote_types(rows.dtype, torch.float32)
         n, vocab = rows.shape[0], weight.shape[0]
         lse_s, lse_t = _lse(rows, weight, dt), _lse(teacher, weight, dt)
-        block = _blocks(n, vocab)
+        block = head_blocks(n, vocab)
         kl = torch.zeros(n, dtype=dt, device=rows.device)
         picked = torch.zeros(n, dtype=dt, device=rows.device)
         grad = torch.zeros_like(rows)

@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 import torch
 from torch import Tensor
 
-from bake.models import loader
+from bake.models import agreement, loader
 from bake.models.stack import FfnOverride, autocast_for, held_nll, perplexity
 from bake.ranks import rank_zero
 from bake.tracking import measure
@@ -67,7 +67,8 @@ class RunContext:
     recipe: dict | None  # the model recipe and the values it set (conf/model_recipe/)
     plan: dict | None  # the memory plan made before loading (bake.memory.budget)
     # split -> the backbone's next-token distributions (bake.models.agreement), taken before
-    # anything changes its weights; the export's agreement with them goes to the report
+    # anything changes its weights: the test split's for the export's agreement in the report,
+    # the held-out split's where it keeps repairs (phase_b.select=agreement)
     references: dict[str, Reference] = field(default_factory=dict, repr=False)
 
     @property
@@ -132,6 +133,38 @@ class RunContext:
         )
         return perplexity(nll, n)
 
+    def held_figures(self, gates: Tensor | None = None, ffn: FfnOverride | None = None) -> Held:
+        """The held-out figures of ``gates`` and ``ffn`` (as :meth:`held_ppl`): perplexity,
+        and, where the held-out split's reference was taken, the agreement with the backbone
+        there, in the same forward."""
+        ref = self.references.get("held")
+        if ref is None:
+            return Held(self.held_ppl(gates, ffn))
+        if gates is not None:
+            gates = gates.to(self.device, torch.float32)
+        s = self.settings
+        out = agreement.held_scores(
+            self.model.stack, self.corpus.held, ref, gates, ffn, s.eval_batch, self.precision
+        )
+        return Held(perplexity(out["nll"], out["count"]), out["kl"], out["top1"])
+
+
+@dataclass(frozen=True)
+class Held:
+    """Held-out figures of some weights: perplexity, and KL(backbone || them) per token and
+    top-1 agreement where the backbone's reference was taken (phase_b.select=agreement)."""
+
+    ppl: float
+    kl: float | None = None
+    top1: float | None = None
+
+    def figure(self, key: str) -> float:
+        """``held_ppl`` or ``held_kl``."""
+        value = self.ppl if key == "held_ppl" else self.kl
+        if value is None:
+            raise ValueError(f"{key}: not measured (no held-out reference)")
+        return value
+
 
 @dataclass
 class Outcome:
@@ -147,6 +180,7 @@ class Outcome:
     final: Repaired  # after Phase B: its FFN weights and their perplexity
     shipped: Shipped  # what the export writes (bake.phases.ship decides it)
     t_start: float
+    masked_kl: float | None = None  # held-out KL to the backbone of ``masked`` (select=agreement)
 
     @property
     def overlaid(self) -> float:

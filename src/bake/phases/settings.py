@@ -87,14 +87,24 @@ class PhaseBSettings:
     # whose teacher is the backbone
     in_place: bool
     enabled: bool
-    # Not a setting: the held-out perplexity an evaluation must beat to be kept, the figure the
-    # repair starts from (Phase B's stage sets it)
+    select: str  # perplexity | agreement: the held-out figure that keeps a repair
+    # Not a setting: the held-out figure (``select``'s) an evaluation must beat to be kept, the
+    # figure the repair starts from (Phase B's stage sets it)
     baseline: float = float("inf")
+
+    @property
+    def key(self) -> str:
+        """The evaluations' field that decides (:data:`SELECT_KEYS`)."""
+        return SELECT_KEYS[self.select]
 
     @property
     def probes(self) -> bool:
         """Whether the learning rate probe runs: two or more rates and a step to train them."""
         return len(self.lr_probe) > 1 and self.lr_probe_steps > 0
+
+
+# phase_b.select -> the field of a held-out evaluation that decides whether a repair is kept
+SELECT_KEYS = {"perplexity": "held_ppl", "agreement": "held_kl"}
 
 
 @dataclass(frozen=True)
@@ -228,6 +238,7 @@ def resolve(cfg: DictConfig, meta: ModelMeta) -> Settings:
         lr_probe_steps=int(b.lr_probe_steps),
         in_place=b.distill == 0,
         enabled=bool(b.enabled),
+        select=str(b.select),
     )
     return Settings(
         config=resolved(cfg),

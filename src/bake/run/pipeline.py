@@ -261,6 +261,8 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     backbone_test = ctx.held_ppl(chunks=ctx.corpus.test) if ctx.corpus.test.numel() else None
     if ctx.corpus.test.numel():
         ctx.references["test"] = agreement.reference(ctx.logits_fn(), ctx.corpus.test)
+    if s.phase_b.select == "agreement":  # the repairs are kept by KL to the backbone
+        ctx.references["held"] = agreement.reference(ctx.logits_fn(), ctx.corpus.held)
     log.info(
         "baseline (full): held-out %.3f (%.4f bits/byte)", backbone, ctx.bpb.get("held", math.nan)
     )
@@ -280,14 +282,18 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     num_layers = ctx.model.stack.num_layers
     keep = ship.structure_to_repair(selection, s, num_layers)
     ev = selection.evaluation
+    masked_kl = None
     if s.ship is not None and ev is not None and not selection.fell_back:
         masked = ev["held_ppl"]  # that evaluation scored this very structure (and weights)
+        if "held" in ctx.references:
+            masked_kl = ctx.held_figures(keep.visits, result.ffn).kl
     else:
-        masked = ctx.held_ppl(keep.visits, result.ffn)
+        held = ctx.held_figures(keep.visits, result.ffn)
+        masked, masked_kl = held.ppl, held.kl
     ctx.seconds["phase_a"] = time.perf_counter() - t0
     ctx.memory.stage_done("phase_a")
-    _log_structure(ctx, keep, masked, result.cached)
-    start = Repaired(result.ffn, masked)  # Phase A's trained FFN, if it trained any
+    _log_structure(ctx, keep, masked, result.cached, masked_kl)
+    start = Repaired(result.ffn, masked, kl=masked_kl)  # Phase A's trained FFN, if any
     ls = _timed(ctx.seconds, ctx.memory, "least_squares", least_squares.run, ctx, keep, start)
     keep = ship.after_least_squares(keep, ls)  # phase_a=reconstruction: its neurons
     final = _timed(ctx.seconds, ctx.memory, "phase_b", train.run, ctx, keep, ls, on_b)
@@ -295,7 +301,17 @@ def _stages(ctx: RunContext, t_start: float) -> float:
     shipped = ship.decide(s, selection, keep, final, ctx.held_ppl, num_layers)
     log.info("ships: %s, held-PPL %.3f", shipped.why, shipped.ppl)
     out = Outcome(
-        backbone, backbone_test, result, selection, keep, masked, ls, final, shipped, t_start
+        backbone,
+        backbone_test,
+        result,
+        selection,
+        keep,
+        masked,
+        ls,
+        final,
+        shipped,
+        t_start,
+        masked_kl,
     )
     return _finish(ctx, out)
 
@@ -349,7 +365,9 @@ def _vocab(s: Settings, model: LoadedModel, corpus: Corpus) -> Trim:
     return trim
 
 
-def _log_structure(ctx: RunContext, keep: structure.Keep, masked: float, cached: bool) -> None:
+def _log_structure(
+    ctx: RunContext, keep: structure.Keep, masked: float, cached: bool, kl: float | None = None
+) -> None:
     a = ctx.settings.phase_a
     if keep.dropped:
         log.info(
@@ -361,11 +379,13 @@ def _log_structure(ctx: RunContext, keep: structure.Keep, masked: float, cached:
         )
     where = "the cached result" if cached else "the selected evaluation"
     log.info(
-        "[A] structure from %s: %.2f%% pruned, masked held-PPL %.3f",
+        "[A] structure from %s: %.2f%% pruned, masked held-PPL %.3f%s",
         where,
         100 * keep.pruned_ratio,
         masked,
+        "" if kl is None else f", held-out KL to the backbone {kl:.4g}",
     )
-    ctx.tracker.metrics(
-        {"final/masked_ppl": masked, "phase_a/selected_sparsity": keep.pruned_ratio}
-    )
+    metrics = {"final/masked_ppl": masked, "phase_a/selected_sparsity": keep.pruned_ratio}
+    if kl is not None:
+        metrics["final/masked_kl"] = kl
+    ctx.tracker.metrics(metrics)

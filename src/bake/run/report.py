@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from bake.export.artifact import LOADED_WITH
+from bake.models.agreement import TOP_K
 from bake.phases import masks
 from bake.phases.structure import reaches
 from bake.task.stage import line as task_line
@@ -60,7 +61,7 @@ def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
         "least_squares": out.least_squares.info,
         "phase_b": out.final.info,
         "export": _export_info(ctx, ex) | {"gguf": ex.gguf},
-        "agreement": _agreement_info(measured),
+        "agreement": _agreement_info(measured, out),
         "task": ex.task,
         "parameters": {"before": ex.params_before, "after": ex.params_after},
         "seconds": dict(ctx.seconds),
@@ -72,17 +73,27 @@ def build(ctx: RunContext, out: Outcome, ex: Exported) -> dict:
     }
 
 
-def _agreement_info(measured: dict) -> dict | None:
+def _agreement_info(measured: dict, out: Outcome) -> dict | None:
     """The export against the backbone's next-token distributions on the test split
-    (:mod:`bake.models.agreement`); None without a test split or with a trimmed vocabulary."""
+    (:mod:`bake.models.agreement`), and, where they kept the repairs (phase_b.select=agreement),
+    the held-out KL of the masked model and after each repair; None without either."""
     test = measured.get("agreement_test")
-    if test is None:
+    held = None
+    if out.final.kl is not None:
+        held = {
+            "masked": out.masked_kl,
+            "least_squares": out.least_squares.kl,
+            "overlaid": out.final.kl,
+        }
+    if test is None and held is None:
         return None
+    k = (test or {}).get("k", TOP_K)
     return {
         "test": test,
+        "held": held,
         "what": (
             f"kl: KL(backbone || export) per next-token position in nats, over the backbone's "
-            f"{test['k']} most likely tokens and the rest as one; top1: the fraction of "
+            f"{k} most likely tokens and the rest as one; top1: the fraction of "
             f"positions whose most likely token is the backbone's"
         ),
     }

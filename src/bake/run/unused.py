@@ -55,6 +55,14 @@ def _no_probe(cfg) -> str | None:
     )
 
 
+def _no_repair(cfg) -> str | None:
+    """Neither least squares nor Phase B runs: no repair is kept or dropped."""
+    b = cfg.phase_b
+    if b.enabled or b.least_squares:
+        return None
+    return "phase_b.enabled=false and phase_b.least_squares=false"
+
+
 def _layers_off(cfg) -> str | None:
     b = cfg.phase_b
     if not b.enabled:
@@ -115,6 +123,7 @@ RULES: dict[str, tuple[Callable, str]] = {
     "phase_b.layers": (_layers_off, "how many of the last layers Phase B trains"),
     "phase_b.optimizer": (_phase_b_off, "Phase B's optimiser"),
     "phase_b.block_layers": (_phase_b_off, "how many layers Phase B trains at a time"),
+    "phase_b.select": (_no_repair, "the held-out figure that decides whether a repair is kept"),
     "trainer.activation_checkpointing": (
         _nothing_trains,
         "whether a training step recomputes each layer's FFN in the backward",

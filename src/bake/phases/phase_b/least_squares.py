@@ -346,10 +346,10 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     ls, distill = ctx.settings.least_squares, ctx.settings.phase_b.distill
     select = ctx.settings.phase_a.least_squares_chooses
     if not ls.enabled:
-        return Repaired(start.ffn, start.ppl, {"enabled": False})
+        return start.unchanged({"enabled": False})
     if bool(keep.visits.all()):  # no neuron removed: nothing to reconstruct (the dense row)
         log.info("[LS] least-squares repair: skipped, no neuron was removed")
-        return Repaired(start.ffn, start.ppl, {"enabled": True, "skipped": "nothing pruned"})
+        return start.unchanged({"enabled": True, "skipped": "nothing pruned"})
     t0 = time.perf_counter()
     stack = ctx.model.stack
     path = ctx.run_dir / "checkpoints" / "least_squares.safetensors"
@@ -410,8 +410,10 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     ffn = {li: (*(base.get(li) or stack.ffn_weights(li))[:2], downs[li]) for li in layers}
     assert chosen is not None  # read back with the solution, or just chosen
     repaired = compute_keep(chosen, keep.alive, stack.num_layers) if select else keep
-    ppl = ctx.held_ppl(repaired.visits, ffn)
-    kept = ship.keeps(ppl, start.ppl)
+    held = ctx.held_figures(repaired.visits, ffn)
+    ppl, kl = held.ppl, held.kl
+    key = ctx.settings.phase_b.key  # the figure that keeps it (phase_b.select)
+    kept = ship.keeps(held.figure(key), start.figure(key))
     if in_place:
         if not kept:
             restore_values(downs, originals)
@@ -419,6 +421,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
     info: dict[str, object] = {
         "enabled": True,
         "held_ppl": ppl,
+        **({} if kl is None else {"held_kl": kl, "held_top1": held.top1}),
         "improved": kept,
         "chunks": int(min(ls.chunks, ctx.corpus.calib.shape[0])),
         "seconds": time.perf_counter() - t0,
@@ -432,10 +435,20 @@ def run(ctx: RunContext, keep: Keep, start: Repaired) -> Repaired:
             int(keep.visits.sum()),
         )
     verdict = "kept: below" if kept else "not kept: not below"
-    log.info("[LS] least-squares repair: held-PPL %.3f (%s %.3f)", ppl, verdict, start.ppl)
+    if kl is None:
+        log.info("[LS] least-squares repair: held-PPL %.3f (%s %.3f)", ppl, verdict, start.ppl)
+    else:
+        log.info(
+            "[LS] least-squares repair: held-out KL %.4g (%s %.4g), held-PPL %.3f (%.3f before)",
+            kl,
+            verdict,
+            start.figure(key),
+            ppl,
+            start.ppl,
+        )
     if not kept:
-        return Repaired(start.ffn, start.ppl, info)
-    return Repaired(ffn, ppl, info, repaired if select else None)
+        return start.unchanged(info)
+    return Repaired(ffn, ppl, info, repaired if select else None, kl)
 
 
 def _read_downs(path, mask, layers: int) -> tuple[list | None, Tensor | None]:

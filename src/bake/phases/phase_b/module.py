@@ -12,8 +12,10 @@ by ``loops`` on a looped model (each physical FFN is visited ``loops`` times per
 > 0, with (1 - distill) * that loss + distill * KL(teacher || this one) on the same chunk (the
 teacher: the unpruned backbone, or FFN weights over it, :mod:`bake.phases.phase_b.teacher`);
 attention carries no gradient. The evaluation kept is
-:func:`bake.phases.structure.select_repair`'s: the first strict minimum below the perplexity the
-repair started from.
+:func:`bake.phases.structure.select_repair`'s: the first strict minimum below the figure the
+repair started from, of held-out perplexity or, with ``select=agreement`` (a ``reference`` of
+the backbone's distributions on the held-out chunks given), of KL(backbone || this model)
+per held-out token (:mod:`bake.models.agreement`).
 
 With ``block_layers`` = N > 0 the trained layers are repaired in groups of N, bottom first: the
 steps are split evenly between the groups, each group trains alone during its share with its own
@@ -31,6 +33,7 @@ import torch
 from torch import Tensor, nn
 
 from bake.errors import BakeError
+from bake.models.agreement import Reference, batch_scores
 from bake.models.stack import FfnOverride, Stack, autocast_for, perplexity
 from bake.phases import masks
 from bake.phases.common import (
@@ -106,8 +109,13 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         on_evaluation: OnEvaluation | None = None,
         base: FfnOverride | None = None,
         teacher: FfnOverride | None = None,
+        reference: Reference | None = None,
     ):
         super().__init__()
+        if settings.select == "agreement" and reference is None:
+            raise ValueError("select=agreement: the backbone's reference on the held-out chunks")
+        # the backbone's distributions on the held-out chunks (select=agreement), else None
+        self.reference = reference if settings.select == "agreement" else None
         self.teacher = teacher  # the distillation teacher's FFN (None: the backbone's)
         self.stack = stack  # plain object: not a submodule
         self.calib, self.held, self.s, self.identity = calib, held, settings, identity
@@ -220,12 +228,20 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         return held_loader(self.held, self.s.eval_batch_size)
 
     def on_validation_epoch_start(self) -> None:
-        self._nll, self._count = 0.0, 0
+        self._nll, self._count, self._kl, self._top1 = 0.0, 0, 0.0, 0
 
     def validation_step(self, batch, batch_idx) -> None:
+        ids = batch.to(self.device)
         with autocast_for(self.device, self.s.eval_precision):
-            nll, n = self.stack.nll(batch.to(self.device), self.gates, self.overrides())
-        self._nll += float(nll)
+            if self.reference is None:
+                total, n = self.stack.nll(ids, self.gates, self.overrides())
+                nll = float(total)
+            else:
+                n = ids.shape[0] * (ids.shape[1] - 1)
+                part = self.reference.part(self._count, n)
+                nll, kl, same = batch_scores(self.stack, ids, part, self.gates, self.overrides())
+                self._kl, self._top1 = self._kl + kl, self._top1 + same
+        self._nll += nll
         self._count += n
 
     def on_validation_epoch_end(self) -> None:
@@ -233,20 +249,27 @@ class PhaseB(CalibrationSteps, L.LightningModule):
         ppl = perplexity(self._nll, self._count)
         lr = self.trainer.optimizers[0].param_groups[0]["lr"] if self._trainer else self.s.lr
         ev = {"step": self.global_step, "held_ppl": ppl, "lr": lr}
+        if self.reference is not None:
+            ev["held_kl"] = self._kl / max(self._count, 1)
+            ev["held_top1"] = self._top1 / max(self._count, 1)
         self.evaluations.append(ev)
         kept = self.choice()
-        best = self.evaluations[kept]["held_ppl"] if kept is not None else self.s.baseline
+        key = self.s.key
+        best = self.evaluations[kept][key] if kept is not None else self.s.baseline
         # best.ckpt follows the selection rule: the kept index only ever moves to the newest
         # evaluation, so "strictly lower -index" saves exactly the kept one.
         self.log("phase_b/select", 1.0 if kept is None else -float(kept), logger=False)
         self.log("held_ppl", ppl, prog_bar=True, logger=False)
         fb, opt = self.timer.means()
+        if self.reference is None:
+            figures = f"held-PPL {ppl:.3f} (best {best:.3f})"
+        else:
+            figures = f"held-PPL {ppl:.3f}, held-out KL {ev['held_kl']:.4g} (best {best:.4g})"
         log.info(
-            "%s step %d: held-PPL %.3f (best %.3f) [fwd+bwd %.3fs, optimiser %.4fs per step]",
+            "%s step %d: %s [fwd+bwd %.3fs, optimiser %.4fs per step]",
             self.tag,
             ev["step"],
-            ppl,
-            best,
+            figures,
             fb,
             opt,
         )
@@ -255,7 +278,7 @@ class PhaseB(CalibrationSteps, L.LightningModule):
 
     def choice(self) -> int | None:
         """The evaluation kept so far (the selection rule), or None."""
-        return select_repair([e["held_ppl"] for e in self.evaluations], self.s.baseline)
+        return select_repair([e[self.s.key] for e in self.evaluations], self.s.baseline)
 
     def on_save_checkpoint(self, checkpoint: dict) -> None:
         checkpoint["bake"] = {

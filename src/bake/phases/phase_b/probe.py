@@ -2,7 +2,8 @@
 
 Each candidate (a fraction of ``phase_b.lr``) trains ``phase_b.lr_probe_steps`` steps (at most
 ``phase_b.steps``) from the same start, on the first steps' chunks, with the first steps of the
-run's own cosine schedule; then the held-out perplexity decides. The lowest wins (the first
+run's own cosine schedule; then the held-out figure decides (``phase_b.select``: perplexity,
+or KL to the backbone). The lowest wins (the first
 listed on a tie; a candidate whose loss stops being finite loses), the start's weights are
 restored after every candidate, and the run itself trains at the winner's rate from the start.
 The probe's steps are training the run does not keep: a budget counts them.
@@ -38,8 +39,8 @@ CHOICE = "lr_probe.json"
 
 
 def winner(results: list[float]) -> int:
-    """The candidate kept: the lowest held-out perplexity, the first on a tie (non-finite
-    perplexities lose to every finite one)."""
+    """The candidate kept: the lowest held-out figure, the first on a tie (non-finite figures
+    lose to every finite one)."""
     return min(
         range(len(results)), key=lambda i: results[i] if math.isfinite(results[i]) else math.inf
     )
@@ -83,10 +84,12 @@ def choose_lr(
     steps = min(settings.lr_probe_steps, settings.steps)
     saved = folder / CHOICE
     info = _saved(saved)  # a resumed bake: the rate it chose before
-    if info is not None and info.get("rates") == rates and info.get("steps") == steps:
+    same = info is not None and info.get("select", "perplexity") == settings.select
+    if info is not None and same and info.get("rates") == rates and info.get("steps") == steps:
         log.info("[B] learning rate %.3g, chosen by this bake's probe before", info["lr"])
         return replace(settings, lr=float(info["lr"])), info
-    results: list[float] = []
+    results: list[float] = []  # the deciding figure (settings.key) per rate
+    ppls: list[float] = []
     for i, lr in enumerate(rates):
         trial = replace(settings, lr=lr, baseline=math.inf)
         module = build(trial)
@@ -96,9 +99,12 @@ def choose_lr(
         trainer = make_trainer(trainer_conf, where, steps, steps, "", checkpoints=False)
         try:
             fit(trainer, module, None)
-            results.append(module.evaluations[-1]["held_ppl"] if module.evaluations else math.inf)
+            last = module.evaluations[-1] if module.evaluations else {}
+            results.append(last.get(settings.key, math.inf))
+            ppls.append(last.get("held_ppl", math.inf))
         except TrainingDiverged:
             results.append(math.inf)
+            ppls.append(math.inf)
         del module, trainer
         measure.collect()
         reset()
@@ -113,14 +119,20 @@ def choose_lr(
     info = {
         "rates": rates,
         "steps": steps,
-        "held_ppl": results,
+        "held_ppl": ppls,
         "lr": rates[best],
-        "start_ppl": settings.baseline,
+        "select": settings.select,
     }
+    if settings.key == "held_ppl":
+        info["start_ppl"] = settings.baseline
+        shown = [f"held-PPL {p:.3f}" for p in ppls]
+    else:
+        info["held_kl"], info["start_kl"] = results, settings.baseline
+        shown = [f"held-out KL {k:.4g} (PPL {p:.3f})" for k, p in zip(results, ppls, strict=True)]
     log.info(
         "[B] learning rate probe (%d steps each): %s; Phase B trains at %.3g",
         steps,
-        ", ".join(f"{lr:.3g} -> held-PPL {p:.3f}" for lr, p in zip(rates, results, strict=True)),
+        ", ".join(f"{lr:.3g} -> {f}" for lr, f in zip(rates, shown, strict=True)),
         rates[best],
     )
     if rates[best] == min(rates):  # a lower one might be better still

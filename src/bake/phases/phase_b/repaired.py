@@ -1,9 +1,9 @@
-"""What the repairs hand on: FFN weights so far and their held-out perplexity, and the values
-an in-place repair restores when it is not kept.
+"""What the repairs hand on: FFN weights so far and their held-out figures, and the values an
+in-place repair restores when it is not kept.
 
-Each repair starts from what the one before it kept and is kept only when its held-out
-perplexity is STRICTLY below the perplexity it started from
-(:func:`bake.phases.structure.select_repair`); otherwise the weights it started from stay.
+Each repair starts from what the one before it kept and is kept only when its held-out figure
+(``phase_b.select``: perplexity, or KL to the backbone) is STRICTLY below the figure it started
+from (:func:`bake.phases.structure.select_repair`); otherwise the weights it started from stay.
 """
 
 from __future__ import annotations
@@ -23,7 +23,8 @@ if TYPE_CHECKING:
 
 @dataclass
 class Repaired:
-    """FFN weights so far (None: the backbone's), their held-out perplexity, what happened."""
+    """FFN weights so far (None: the backbone's), their held-out perplexity (and KL to the
+    backbone, where ``phase_b.select=agreement`` measures it), what happened."""
 
     ffn: FfnOverride | None
     ppl: float
@@ -31,6 +32,19 @@ class Repaired:
     # the structure these weights were repaired for, where the repair chose it
     # (phase_a=reconstruction); None: the one it was given
     keep: Keep | None = None
+    kl: float | None = None  # KL(backbone || these weights) per held-out token
+
+    def figure(self, key: str) -> float:
+        """Its held-out figure ``key`` (``held_ppl`` or ``held_kl``): what a repair after it
+        must beat."""
+        value = self.ppl if key == "held_ppl" else self.kl
+        if value is None:
+            raise ValueError(f"{key}: not measured for these weights")
+        return value
+
+    def unchanged(self, info: dict) -> Repaired:
+        """These weights and figures handed on by a repair that was not kept (or not run)."""
+        return Repaired(self.ffn, self.ppl, info, kl=self.kl)
 
 
 def save_values(path: Path, tensors: list) -> None:
@@ -59,27 +73,33 @@ def outcome(
     start: Repaired,
     layers,
     copy: bool = True,
+    key: str = "held_ppl",
 ) -> Repaired:
     """The trained copies of the kept evaluation (best.ckpt) over the weights Phase B started
     from, or those weights when no evaluation was kept. ``copy=False``: ``best`` holds the
-    trained tensors themselves (an in-place Phase B), taken as they are."""
+    trained tensors themselves (an in-place Phase B), taken as they are. ``key``: the
+    evaluations' figure that chose (``held_ppl`` or ``held_kl``)."""
+    name, fmt = {"held_ppl": ("held-PPL", "{:.3f}"), "held_kl": ("held-out KL", "{:.4g}")}[key]
     if kept is not None and best is not None:
-        ppl = evaluations[kept]["held_ppl"]
+        ppl, kl = evaluations[kept]["held_ppl"], evaluations[kept].get("held_kl")
         params = [
             best[f"ffn.{i}"].float().clone() if copy else best[f"ffn.{i}"]
             for i in range(3 * len(layers))
         ]
         trained = {li: tuple(params[3 * i : 3 * i + 3]) for i, li in enumerate(layers)}
         note = (
-            f"restored the best copies: held-PPL {ppl:.3f} at step "
-            f"{evaluations[kept]['step']} < {start.ppl:.3f} before Phase B"
+            f"restored the best copies: {name} {fmt.format(evaluations[kept][key])} at step "
+            f"{evaluations[kept]['step']} < {fmt.format(start.figure(key))} before Phase B"
         )
         ffn = {**(start.ffn or {}), **trained}
-        return Repaired(ffn, ppl, {"improved": True, "note": note})
+        return Repaired(ffn, ppl, {"improved": True, "note": note}, kl=kl)
     if not evaluations:
         why = "no evaluation was made"
     else:
-        best_seen = min((e["held_ppl"] for e in evaluations), default=float("nan"))
-        why = f"best held-PPL {best_seen:.3f} is not below {start.ppl:.3f} before Phase B"
+        best_seen = min((e[key] for e in evaluations), default=float("nan"))
+        why = (
+            f"best {name} {fmt.format(best_seen)} is not below {fmt.format(start.figure(key))} "
+            f"before Phase B"
+        )
     note = f"Phase B made no improvement ({why}); the weights before Phase B are used"
-    return Repaired(start.ffn, start.ppl, {"improved": False, "note": note})
+    return start.unchanged({"improved": False, "note": note})

@@ -256,7 +256,10 @@ def _train_dense(ctx: RunContext) -> Teacher:
     stack = ctx.model.stack
     t0 = time.perf_counter()
     backbone = ctx.held_ppl()
-    settings = replace(ctx.settings.phase_b, distill=0.0, in_place=False, baseline=backbone)
+    # kept by perplexity whatever phase_b.select says: KL to the backbone is 0 at its start
+    settings = replace(
+        ctx.settings.phase_b, distill=0.0, in_place=False, baseline=backbone, select="perplexity"
+    )
     log.info(
         "Phase B: training the dense teacher (%d steps, no neuron removed; cached for these "
         "settings)",

@@ -39,9 +39,10 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
     """Phase B's gradient repair of the chosen layers, from the weights so far."""
 
     stack, a = ctx.model.stack, ctx.settings.phase_a
-    settings = replace(ctx.settings.phase_b, baseline=start.ppl)
+    settings = ctx.settings.phase_b
     if not settings.enabled:
-        return Repaired(start.ffn, start.ppl, {"enabled": False, "note": "phase_b.enabled=false"})
+        return start.unchanged({"enabled": False, "note": "phase_b.enabled=false"})
+    settings = replace(settings, baseline=start.figure(settings.key))
 
     teacher = teachers.resolve(ctx)  # the dense one trains (or is read from the cache) here
     gates = keep.visits.float()
@@ -73,6 +74,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
             report,
             start.ffn,
             None if teacher is None else teacher.ffn,
+            ctx.references.get("held"),
         )
 
     module = build(settings, on_evaluation)
@@ -110,6 +112,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
         "lr_probe": probe,
         "optimizer": settings.optimizer,
         "block_layers": settings.block_layers,
+        "select": settings.select,
         "evaluations": evaluations,
         "seconds_train": time.perf_counter() - t0,
         "sec_fwd_bwd": module.timer.means()[0],
@@ -126,7 +129,7 @@ def run(ctx: RunContext, keep: Keep, start: Repaired, on_evaluation: OnEvaluatio
         else:
             restore_values(live, start_file)
             best = None
-    out = outcome(evaluations, kept, best, start, layers, copy=live is None)
+    out = outcome(evaluations, kept, best, start, layers, live is None, settings.key)
     if live is not None:
         start_file.unlink(missing_ok=True)
     (log.info if out.info["improved"] else log.warning)("[B] %s", out.info["note"])
