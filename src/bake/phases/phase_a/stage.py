@@ -37,6 +37,7 @@ PHASE_A_CODE = (
     "bake.phases.structure",
     "bake.phases.settings",
     "bake.phases.context",  # the held-out evaluation
+    "bake.models.agreement",  # ... and its agreement with the backbone (phase_b.select)
     "bake.phases.phase_a",  # the built-in methods
     "bake.phases.phase_a.method",  # the method registry
     "bake.models.stack",

@@ -62,6 +62,7 @@ TEACHER_CODE = (
     "bake.phases.masks",
     "bake.phases.structure",
     "bake.phases.context",
+    "bake.models.agreement",  # the evaluations' agreement with the backbone (phase_b.select)
     "bake.models.stack",
     "bake.models.families",  # each family's anatomy (activation, windows) shapes the forward
     *(f"bake.models.families.{m.name}" for m in pkgutil.iter_modules(families.__path__)),
