@@ -194,7 +194,7 @@ def measure(name: str, row: dict, cache: Path) -> dict:
     file, origin = gguf_file(name, row, cache)
     print(f"{name}: {file} ({file.stat().st_size / 1e6:.1f} MB)", flush=True)
     t0 = time.perf_counter()
-    score, results, _ = evaluate(file, [], OUT / "evaluations")
+    score, results, _ = evaluate(file, [], OUT)  # results under OUT/evaluations/
     humaneval = {
         "passed": score.passed,
         "problems": score.problems,
