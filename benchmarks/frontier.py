@@ -76,16 +76,21 @@ def _source(cache: Path):
     return source_for(compose(MODEL).model, cache)
 
 
+def _converted(cache: Path) -> Path:
+    """bake's fp32 cache of the shipped file (the first load converts it)."""
+    source = _source(cache)
+    if source.converted() is None:
+        source.load()
+    converted = source.converted()
+    assert converted is not None
+    return converted
+
+
 def backbone_dir(cache: Path) -> Path:
     """The backbone's fp32 cache as a directory :func:`bake.export.gguf.write` converts: links
     to its files and its config.json with the ``bake`` block of a stock export of every
     neuron."""
-    source = _source(cache)
-    converted = source.converted()
-    if converted is None:  # the first load converts the GGUF file into the cache
-        source.load()
-        converted = source.converted()
-    assert converted is not None
+    converted = _converted(cache)
     cfg = json.loads((converted / "config.json").read_text())
     width, layers = int(cfg["intermediate_size"]), int(cfg["num_hidden_layers"])
     cfg["bake"] = {"format": "stock", "widths": [width] * layers, "model_type": cfg["model_type"]}
@@ -148,12 +153,7 @@ def outside_text(cache: Path) -> Path:
     path = OUT / "outside.txt"
     if path.is_file():
         return path
-    source = _source(cache)
-    directory = source.converted()
-    if directory is None:
-        source.load()
-        directory = source.converted()
-    tok = AutoTokenizer.from_pretrained(directory)
+    tok = AutoTokenizer.from_pretrained(_converted(cache))
     chunks = outside_chunks(tok, n=OUTSIDE_CHUNKS)
     text = "\n\n".join(str(tok.decode(c, skip_special_tokens=True)) for c in chunks.tolist())
     path.parent.mkdir(parents=True, exist_ok=True)

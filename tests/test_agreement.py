@@ -31,6 +31,28 @@ def plain(backbone: torch.Tensor, model: torch.Tensor, k: int) -> tuple[float, f
     return kl / b.shape[0], same / b.shape[0]
 
 
+def bake_and_logits(tmp_path, docs_dir, extra, split: str):
+    """A tiny bake with ``extra``; its report, then stock transformers' logits on ``split``'s
+    chunks of the backbone (the tiny model as built, before the bake) and of the artifact loaded
+    from model/, and the chunks."""
+    from transformers import AutoModelForCausalLM
+
+    from bake.corpus.splits import load_corpus
+    from bake.models.loader import load_model
+
+    assert run_bake(tiny_args(tmp_path, docs_dir, *extra)) == 0
+    rep = report(last_run(tmp_path))
+    cfg = compose(tiny_args(tmp_path, docs_dir, *extra))
+    model = load_model(cfg.model, tmp_path / "cache")
+    corpus = load_corpus(
+        cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, tmp_path / "cache"
+    )
+    chunks = getattr(corpus, split)
+    art = AutoModelForCausalLM.from_pretrained(last_run(tmp_path) / "model", dtype=torch.float32)
+    with torch.no_grad():
+        return rep, model.lm(chunks).logits, art.eval()(chunks).logits, chunks
+
+
 @pytest.mark.parametrize("k", [4, 40])
 def test_agreement_equals_the_definition(k):
     g = torch.Generator().manual_seed(0)
@@ -74,23 +96,10 @@ def test_the_report_holds_the_exports_agreement_with_the_backbone(tmp_path, docs
     """report.json's agreement on the test split equals the definition computed from stock
     transformers' logits: the backbone (the tiny model as built, before the bake) and the
     artifact loaded from model/."""
-    from transformers import AutoModelForCausalLM
-
-    from bake.corpus.splits import load_corpus
-    from bake.models.loader import load_model
-
     extra = ("phase_a=wanda_sp", "phase_a.target_sparsity=0.2", "tracking.enabled=false")
-    assert run_bake(tiny_args(tmp_path, docs_dir, *extra)) == 0
-    rep = report(last_run(tmp_path))
-    cfg = compose(tiny_args(tmp_path, docs_dir, *extra))
-    model = load_model(cfg.model, tmp_path / "cache")
-    test = load_corpus(
-        cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, tmp_path / "cache"
-    ).test
+    rep, back, art, test = bake_and_logits(tmp_path, docs_dir, extra, "test")
     assert test.numel()
-    art = AutoModelForCausalLM.from_pretrained(last_run(tmp_path) / "model", dtype=torch.float32)
-    with torch.no_grad():
-        kl, top1 = plain(model.lm(test).logits, art.eval()(test).logits, 64)
+    kl, top1 = plain(back, art, 64)
     got = rep["agreement"]["test"]
     assert got["k"] == 64
     assert got["kl"] == pytest.approx(kl, rel=1e-4) and got["kl"] > 0
@@ -141,11 +150,6 @@ def test_repairs_kept_by_agreement(tmp_path, docs_dir):
     evaluations are kept by held-out KL to the backbone. The report's held-out KL of what ships
     equals the definition over stock transformers' logits of the backbone and of the artifact on
     the held-out chunks, and every choice follows the rule over the KL figures reported."""
-    from transformers import AutoModelForCausalLM
-
-    from bake.corpus.splits import load_corpus
-    from bake.models.loader import load_model
-
     extra = (
         "phase_a=wanda_sp",
         "phase_a.target_sparsity=0.3",
@@ -155,16 +159,8 @@ def test_repairs_kept_by_agreement(tmp_path, docs_dir):
         "phase_b.all_layers=true",
         "tracking.enabled=false",
     )
-    assert run_bake(tiny_args(tmp_path, docs_dir, *extra)) == 0
-    rep = report(last_run(tmp_path))
-    cfg = compose(tiny_args(tmp_path, docs_dir, *extra))
-    model = load_model(cfg.model, tmp_path / "cache")
-    held = load_corpus(
-        cfg.corpus, model.tokenizer, model.tokenizer_key, cfg.seed, tmp_path / "cache"
-    ).held
-    art = AutoModelForCausalLM.from_pretrained(last_run(tmp_path) / "model", dtype=torch.float32)
-    with torch.no_grad():
-        kl, _ = plain(model.lm(held).logits, art.eval()(held).logits, 64)
+    rep, back, art, _ = bake_and_logits(tmp_path, docs_dir, extra, "held")
+    kl, _ = plain(back, art, 64)
     got = rep["agreement"]["held"]
     assert got["overlaid"] == pytest.approx(kl, rel=1e-4) and kl > 0
 
