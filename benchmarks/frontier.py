@@ -4,6 +4,7 @@
     python -m benchmarks.frontier --rows original,backbone-q8_0
     python -m benchmarks.frontier --list                  # the rows
     python -m benchmarks.frontier --print                 # the table of the rows measured
+    python -m benchmarks.frontier --speed                 # every measured row's speed again
 
 Rows (one GGUF file each):
 
@@ -24,8 +25,10 @@ llama.cpp's ``llama-completion``, greedy, the task's defaults); llama.cpp's perp
 Python outside the task corpus (``llama-perplexity -c 256``: the text of 48 chunks of the
 quality benchmark's outside set, each window's second half scored); generation speed
 (``llama-completion``, 128 new tokens after HumanEval/0's prompt, 2 threads, the median of
-three). Results: ``outputs/bench/frontier/<row>.json``. Run it alone on the machine: the
-speed column and the wall time of everything else are shared otherwise.
+three; ``--speed`` measures every measured row again, one after another in two rounds, so that
+the column comes from the same minutes). Results: ``outputs/bench/frontier/<row>.json``. Run
+it alone on the machine: the speed column and the wall time of everything else are shared
+otherwise.
 """
 
 from __future__ import annotations
@@ -223,6 +226,30 @@ def measure(name: str, row: dict, cache: Path) -> dict:
     }
 
 
+def remeasure_speed(names: list[str]) -> None:
+    """Each measured row's generation speed again, the rows one after another (in a second
+    round in reverse order, the median of both kept), so that every speed in the table comes
+    from the same minutes of the same machine."""
+    with gzip.open(humaneval_file(), "rt") as fh:
+        prompt = json.loads(fh.readline())["prompt"]
+    measured = [n for n in names if (OUT / f"{n}.json").is_file()]
+    rates: dict[str, list[float]] = {n: [] for n in measured}
+    for order in (measured, measured[::-1]):
+        for name in order:
+            file = Path(json.loads((OUT / f"{name}.json").read_text())["file"])
+            rates[name].append(generation_speed(file, prompt))
+            print(f"{name}: {rates[name][-1]:.1f} tokens/s", flush=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M")
+    for name in measured:
+        path = OUT / f"{name}.json"
+        result = json.loads(path.read_text())
+        result["tokens_per_s"] = statistics.median(rates[name])
+        result["speed"] = {"rounds": rates[name], "measured": stamp, "together": measured}
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+        tmp.replace(path)
+
+
 def _commit() -> str:
     proc = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO, capture_output=True)
     return proc.stdout.decode().strip()
@@ -253,6 +280,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--cache", default=str(REPO / "outputs" / "cache"))
     p.add_argument("--list", action="store_true", help="list the rows and exit")
     p.add_argument("--print", action="store_true", help="print the measured rows, measure none")
+    p.add_argument(
+        "--speed",
+        action="store_true",
+        help="measure again only the generation speed of the measured rows (or --rows), back to "
+        "back in one process: speeds compare only when measured together, alone on the machine",
+    )
     args = p.parse_args(argv)
     known = rows()
     if args.list:
@@ -268,6 +301,10 @@ def main(argv: list[str] | None = None) -> None:
     if unknown:
         raise SystemExit(f"--rows: unknown {unknown}; the rows: {', '.join(known)}")
     cache = Path(args.cache)
+    if args.speed:
+        remeasure_speed([r for r in args.rows.split(",") if r] or list(known))
+        print(table())
+        return
     for name in wanted:
         result = measure(name, known[name], cache)
         path = OUT / f"{name}.json"

@@ -112,6 +112,23 @@ class Agreement:
         return {"kl": self.kl / positions, "top1": self.top1 / positions, "k": self.ref.k}
 
 
+@dataclass(frozen=True)
+class Held:
+    """Held-out figures of some weights: perplexity, and KL(backbone || them) per token and
+    top-1 agreement where the backbone's reference was taken (phase_b.select=agreement)."""
+
+    ppl: float
+    kl: float | None = None
+    top1: float | None = None
+
+    def figure(self, key: str) -> float:
+        """``held_ppl`` or ``held_kl``."""
+        value = self.ppl if key == "held_ppl" else self.kl
+        if value is None:
+            raise ValueError(f"{key}: not measured (no held-out reference)")
+        return value
+
+
 def _kl(ref: Reference, mine: Tensor, mine_rest: Tensor) -> Tensor:
     """Per position KL(backbone || model) over the reference's top k and the rest as one
     outcome, from the model's log-probabilities of those k (``mine``) and of the rest."""

@@ -18,6 +18,7 @@ import torch
 from torch import Tensor
 
 from bake.models import agreement, loader
+from bake.models.agreement import Held
 from bake.models.stack import FfnOverride, autocast_for, held_nll, perplexity
 from bake.ranks import rank_zero
 from bake.tracking import measure
@@ -147,23 +148,6 @@ class RunContext:
             self.model.stack, self.corpus.held, ref, gates, ffn, s.eval_batch, self.precision
         )
         return Held(perplexity(out["nll"], out["count"]), out["kl"], out["top1"])
-
-
-@dataclass(frozen=True)
-class Held:
-    """Held-out figures of some weights: perplexity, and KL(backbone || them) per token and
-    top-1 agreement where the backbone's reference was taken (phase_b.select=agreement)."""
-
-    ppl: float
-    kl: float | None = None
-    top1: float | None = None
-
-    def figure(self, key: str) -> float:
-        """``held_ppl`` or ``held_kl``."""
-        value = self.ppl if key == "held_ppl" else self.kl
-        if value is None:
-            raise ValueError(f"{key}: not measured (no held-out reference)")
-        return value
 
 
 @dataclass

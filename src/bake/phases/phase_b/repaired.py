@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from bake.models.agreement import Held
 from bake.models.stack import FfnOverride
 from bake.storage.files import atomic_write, save_streaming
 
@@ -37,10 +38,7 @@ class Repaired:
     def figure(self, key: str) -> float:
         """Its held-out figure ``key`` (``held_ppl`` or ``held_kl``): what a repair after it
         must beat."""
-        value = self.ppl if key == "held_ppl" else self.kl
-        if value is None:
-            raise ValueError(f"{key}: not measured for these weights")
-        return value
+        return Held(self.ppl, self.kl).figure(key)
 
     def unchanged(self, info: dict) -> Repaired:
         """These weights and figures handed on by a repair that was not kept (or not run)."""
