@@ -233,6 +233,9 @@ def remeasure_speed(names: list[str]) -> None:
     with gzip.open(humaneval_file(), "rt") as fh:
         prompt = json.loads(fh.readline())["prompt"]
     measured = [n for n in names if (OUT / f"{n}.json").is_file()]
+    unmeasured = [n for n in names if n not in measured]
+    if unmeasured:
+        print(f"not measured yet, so no speed to measure again: {', '.join(unmeasured)}")
     rates: dict[str, list[float]] = {n: [] for n in measured}
     for order in (measured, measured[::-1]):
         for name in order:
