@@ -50,6 +50,7 @@ from transformers import AutoTokenizer
 from bake.export import gguf
 from bake.export.llamacpp import need
 from bake.models.sources import source_for
+from bake.storage.files import atomic_write
 from bake.task.evaluate import evaluate
 from bake.task.problems import humaneval_file
 from benchmarks.common import REPO, compose
@@ -178,6 +179,18 @@ def llama_ppl(file: Path, text: Path) -> dict:
     return {"ppl": float(ppl.group(1)), "windows": int(windows.group(1)), "seconds": seconds}
 
 
+def _speed_prompt() -> str:
+    """The prompt speed is measured after: HumanEval/0's."""
+    with gzip.open(humaneval_file(), "rt") as fh:
+        return json.loads(fh.readline())["prompt"]
+
+
+def _save(path: Path, result: dict) -> None:
+    """A row's results, written whole or not at all."""
+    with atomic_write(path) as tmp:
+        tmp.write_text(json.dumps(result, indent=2) + "\n")
+
+
 def generation_speed(file: Path, prompt: str, repeats: int = 3) -> float:
     """Tokens per second of llama-completion's generation (its own eval timing)."""
     rates = []
@@ -208,9 +221,7 @@ def measure(name: str, row: dict, cache: Path) -> dict:
     print(f"  HumanEval {score.passed} of {score.problems}", flush=True)
     ppl = llama_ppl(file, outside_text(cache))
     print(f"  outside perplexity {ppl['ppl']:.4f}", flush=True)
-    with gzip.open(humaneval_file(), "rt") as fh:
-        prompt = json.loads(fh.readline())["prompt"]  # HumanEval/0
-    speed = generation_speed(file, prompt)
+    speed = generation_speed(file, _speed_prompt())
     print(f"  {speed:.1f} tokens/s", flush=True)
     return {
         "name": name,
@@ -230,8 +241,7 @@ def remeasure_speed(names: list[str]) -> None:
     """Each measured row's generation speed again, the rows one after another (in a second
     round in reverse order, the median of both kept), so that every speed in the table comes
     from the same minutes of the same machine."""
-    with gzip.open(humaneval_file(), "rt") as fh:
-        prompt = json.loads(fh.readline())["prompt"]
+    prompt = _speed_prompt()
     measured = [n for n in names if (OUT / f"{n}.json").is_file()]
     unmeasured = [n for n in names if n not in measured]
     if unmeasured:
@@ -248,9 +258,7 @@ def remeasure_speed(names: list[str]) -> None:
         result = json.loads(path.read_text())
         result["tokens_per_s"] = statistics.median(rates[name])
         result["speed"] = {"rounds": rates[name], "measured": stamp, "together": measured}
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)
+        _save(path, result)
 
 
 def _commit() -> str:
@@ -309,12 +317,7 @@ def main(argv: list[str] | None = None) -> None:
         print(table())
         return
     for name in wanted:
-        result = measure(name, known[name], cache)
-        path = OUT / f"{name}.json"
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(result, indent=2) + "\n")
-        tmp.replace(path)
+        _save(OUT / f"{name}.json", measure(name, known[name], cache))
     print(table())
 
 

@@ -6,12 +6,11 @@ The large sizes (the default SmolLM2 bake, a 3B-shaped checkpoint) are in benchm
 
 from __future__ import annotations
 
-import json
 import re
 import subprocess
 
 import pytest
-from conftest import PYTHON, REPO, run_bake, subprocess_env
+from conftest import PYTHON, REPO, last_run, report, run_bake, subprocess_env
 
 from bake.memory.plan import HEAP_LIMIT, MIB
 
@@ -115,8 +114,8 @@ def _bake_memory(outputs, docs_dir, model) -> tuple[dict, dict]:
         timeout=600,
     )
     assert job.returncode == 0, job.stderr[-3000:]
-    report = json.loads((_runs(outputs)[-1] / "report.json").read_text())
-    return report["memory"], report["memory_plan"]
+    written = report(last_run(outputs))
+    return written["memory"], written["memory_plan"]
 
 
 @pytest.mark.slow
